@@ -1,0 +1,26 @@
+"""Test-suite set-up: exact CPU allocator statistics and quiet TensorFlow logs.
+
+Both must be set before TensorFlow is imported, hence at the top of conftest.
+"""
+
+import os
+
+os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+MODES = ("eager", "function", "xla")
+
+
+def compile_step(step, mode):
+    """``step`` run eagerly, under tf.function, or under tf.function(jit_compile=True)."""
+    if mode == "eager":
+        return step
+    return tf.function(step, jit_compile=(mode == "xla"))
+
+
+@pytest.fixture(params=MODES)
+def mode(request):
+    return request.param

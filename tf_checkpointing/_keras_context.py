@@ -1,0 +1,45 @@
+"""The Keras call state a replay must see again.
+
+A Keras layer called without ``training=`` inherits it from the outermost
+layer call (``model(x, training=True)`` sets it for every sublayer), and
+mixed-precision layers read their variables through an autocast scope. Both
+live in Keras' thread-local global state and are gone by the time backprop
+replays the function, so a replayed ``Dropout`` would act as in inference and
+a float16 layer would compute in float32. We capture them at the forward and
+put them back around the replay.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+__all__: list[str] = []
+
+try:  # Keras 3 keeps these in its global state; the names are not public API.
+    from keras.src.backend.common import global_state as _global_state
+except ImportError:  # pragma: no cover - another Keras: nothing to carry over
+    _global_state = None
+
+_ATTRIBUTES = ("current_call_ctx", "autocast_scope")
+
+
+def capture() -> tuple[Any, ...]:
+    if _global_state is None:
+        return ()
+    return tuple(_global_state.get_global_attribute(name) for name in _ATTRIBUTES)
+
+
+@contextlib.contextmanager
+def restored(captured: tuple[Any, ...]) -> Iterator[None]:
+    if not captured:
+        yield
+        return
+    saved = capture()
+    for name, value in zip(_ATTRIBUTES, captured):
+        _global_state.set_global_attribute(name, value)
+    try:
+        yield
+    finally:
+        for name, value in zip(_ATTRIBUTES, saved):
+            _global_state.set_global_attribute(name, value)

@@ -1,0 +1,246 @@
+"""The recompute core: run a function keeping only its inputs, replay it in backprop.
+
+Why not ``tf.recompute_grad`` or ``keras.remat`` (which is ``tf.recompute_grad``
+on the TensorFlow backend)? Both give silently wrong gradients in common
+models: keyword-argument tensors get ``None`` gradients, non-tensor arguments
+are turned into tensors (``if training:`` breaks), dropout draws another mask in
+the replay, BatchNorm statistics are updated twice, half-precision inputs lose
+their gradients. This module keeps their sound parts (a ``tf.custom_gradient``
+whose forward runs under ``stop_recording`` so the outer tape keeps no
+activation, and a data dependency on the incoming gradient so neither Grappler
+nor XLA can merge the replay back into the forward) and fixes the rest:
+
+* only floating tensor leaves of ``(args, kwargs)``, at any depth, become
+  inputs of the custom gradient; everything else (``None``, bools, strings,
+  layers, integer tensors, variables) reaches the function untouched;
+* the replay runs with the state and seeds the forward saw (``_state``,
+  ``_seeding``) and with the Keras call context (``training``) and autocast
+  scope of the forward;
+* variables read inside get gradients, created-in-replay variables are refused
+  with a clear error instead of silently getting no gradient.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import tensorflow as tf
+from tensorflow.python.eager import record
+
+from tf_checkpointing import _keras_context, _seeding
+from tf_checkpointing._flags import checkpoint_scope
+from tf_checkpointing._state import StateRecorder, replayed_state
+
+__all__: list[str] = []
+
+CHECK_ENV_VAR = "TF_CHECKPOINTING_CHECK"
+
+
+def needs_checkpoint() -> bool:
+    """False when no gradient can be taken of the call, so the function is run
+    directly: eager execution with no tape recording. Inside a graph the
+    gradient may be asked for later, so the call is always wrapped (a cost paid
+    once, at trace time)."""
+    return not tf.executing_eagerly() or record.could_possibly_record()
+
+
+def is_differentiable(leaf: Any) -> bool:
+    """A floating (or complex) tensor: the leaves that get gradients."""
+    return isinstance(leaf, tf.Tensor) and (leaf.dtype.is_floating or leaf.dtype.is_complex)
+
+
+def checkpointed_call(
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    *,
+    watch_vars: Sequence[tf.Variable] = (),
+    force_seed: bool = False,
+    check: Any = False,
+) -> Any:
+    """Calls ``fn(*args, **kwargs)`` keeping only its inputs for backprop.
+
+    Args:
+        fn: the function to run and replay.
+        args, kwargs: its arguments, any nesting of tensors and Python objects.
+        watch_vars: variables that must get gradients even if ``fn`` reads them
+            in a way TensorFlow does not see (``tf.Variable`` objects).
+        force_seed: make legacy stateful random ops replay exactly.
+        check: False, True (compare the replay's output structure, shapes and
+            dtypes with the forward's) or ``"values"`` (compare values too).
+
+    Returns:
+        What ``fn`` returns, with gradients defined by replaying ``fn``.
+    """
+    leaves = tf.nest.flatten((args, kwargs))
+    positions = [i for i, leaf in enumerate(leaves) if is_differentiable(leaf)]
+    check = check or os.environ.get(CHECK_ENV_VAR, "").lower() in ("1", "true", "values")
+    if check and os.environ.get(CHECK_ENV_VAR, "").lower() == "values":
+        check = "values"
+    replay = _Replay(fn, (args, kwargs), leaves, positions, watch_vars, force_seed, check)
+    returned: dict[str, Any] = {}
+
+    @tf.custom_gradient
+    def forward(*inputs: tf.Tensor):
+        out = replay.run_forward(inputs)
+        out_leaves = tf.nest.flatten(out)
+        replay.note_outputs(out, out_leaves)
+        returned["out"], returned["leaves"] = out, out_leaves
+        return tuple(out_leaves[i] for i in replay.out_positions), replay.gradient
+
+    forward.__name__ = getattr(fn, "__name__", "checkpointed")
+    differentiable_outputs = forward(*[leaves[i] for i in positions])
+    out_leaves = list(returned.pop("leaves"))
+    for i, tensor in zip(replay.out_positions, differentiable_outputs):
+        out_leaves[i] = tensor
+    return tf.nest.pack_sequence_as(returned.pop("out"), out_leaves)
+
+
+class _Replay:
+    """What the backward pass needs to replay one call, and nothing more: the
+    inputs, the state the forward saw, and the shape of its outputs. It holds no
+    activation and no output of the forward (unless ``check="values"``)."""
+
+    def __init__(self, fn, structure, leaves, positions, watch_vars, force_seed, check):
+        self.fn = fn
+        self.name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", repr(fn))
+        self.structure = structure
+        self.leaves = leaves
+        self.positions = positions
+        self.watch_vars = watch_vars
+        self.call_seed = _seeding.draw_call_seed() if force_seed else None
+        self.check = check
+        self.keras_context = _keras_context.capture()
+        self.recorder = StateRecorder()
+        self.out_positions: list[int] = []
+        self.out_signature: Any = None
+        self.out_values: Optional[list[tf.Tensor]] = None
+
+    def _call(self, inputs: Sequence[tf.Tensor]) -> Any:
+        leaves = list(self.leaves)
+        for i, tensor in zip(self.positions, inputs):
+            leaves[i] = tensor
+        args, kwargs = tf.nest.pack_sequence_as(self.structure, leaves)
+        return self.fn(*args, **kwargs)
+
+    def _seeded(self) -> Any:
+        if self.call_seed is None:
+            return contextlib.nullcontext()
+        return _seeding.forced_seed(self.call_seed)
+
+    def run_forward(self, inputs: Sequence[tf.Tensor]) -> Any:
+        with record.stop_recording(), checkpoint_scope(recomputing=False), self.recorder:
+            for variable in self.watch_vars:
+                record.variable_accessed(variable)
+            try:
+                with self._seeded():
+                    return self._call(inputs)
+            except BaseException:
+                if tf.executing_eagerly():
+                    self.recorder.restore_before()
+                raise
+
+    def note_outputs(self, out: Any, out_leaves: list[Any]) -> None:
+        self.out_positions = [i for i, leaf in enumerate(out_leaves) if is_differentiable(leaf)]
+        if self.check:
+            self.out_signature = _signature(out)
+        if self.check == "values":
+            self.out_values = [out_leaves[i] for i in self.out_positions]
+
+    def gradient(self, *output_grads: Optional[tf.Tensor], variables=None):
+        variables = list(variables or ())
+        differentiable_vars = [v for v in variables if v.dtype.is_floating or v.dtype.is_complex]
+        inputs = [self.leaves[i] for i in self.positions]
+        with contextlib.ExitStack() as scopes:
+            scopes.enter_context(checkpoint_scope(recomputing=True))
+            scopes.enter_context(_keras_context.restored(self.keras_context))
+            scopes.enter_context(replayed_state(self.recorder))
+            scopes.enter_context(self._seeded())
+            scopes.enter_context(_refuse_new_variables(self.name))
+            inputs = _fresh_copies(inputs, output_grads)
+            with tf.GradientTape(watch_accessed_variables=False) as tape:
+                tape.watch(inputs)
+                tape.watch(differentiable_vars)
+                out = self._call(inputs)
+            out_leaves = tf.nest.flatten(out)
+            if self.check:
+                self._verify(out, out_leaves)
+            targets, target_grads = [], []
+            for i, grad in zip(self.out_positions, output_grads):
+                if grad is not None:
+                    targets.append(out_leaves[i])
+                    target_grads.append(grad)
+            grads = tape.gradient(
+                targets, inputs + differentiable_vars, output_gradients=target_grads
+            ) if targets else [None] * (len(inputs) + len(differentiable_vars))
+        input_grads = list(grads[: len(inputs)])
+        by_variable = {id(v): g for v, g in zip(differentiable_vars, grads[len(inputs):])}
+        if not variables:
+            return input_grads
+        return input_grads, [by_variable.get(id(v)) for v in variables]
+
+    def _verify(self, out: Any, out_leaves: list[Any]) -> None:
+        replayed = _signature(out)
+        if replayed != self.out_signature:
+            raise RuntimeError(
+                f"checkpointable: the replay of `{self.name}` returned {replayed}, but its "
+                f"forward returned {self.out_signature}. The function must return the same "
+                "structure, shapes and dtypes when it is run again; make it deterministic "
+                "(no Python-side randomness or counters deciding what it returns)."
+            )
+        if self.out_values is not None:
+            for k, (before, i) in enumerate(zip(self.out_values, self.out_positions)):
+                tf.debugging.assert_near(
+                    out_leaves[i], before, rtol=1e-5, atol=1e-6,
+                    message=(
+                        f"checkpointable: the replay of `{self.name}` computed other values "
+                        f"than its forward (output {k}). A random source or state it reads "
+                        "is not replayed exactly: seed it (keras.random with a "
+                        "SeedGenerator, tf.random.Generator, stateless ops) or call it with "
+                        "_force_seed=True for legacy tf.random ops."
+                    ),
+                )
+
+
+def _signature(out: Any) -> Any:
+    def describe(leaf: Any) -> Any:
+        if isinstance(leaf, tf.Tensor):
+            return ("Tensor", tuple(leaf.shape.as_list()) if leaf.shape.rank is not None
+                    else None, leaf.dtype.name)
+        return type(leaf).__name__
+
+    return tf.nest.map_structure(describe, out)
+
+
+def _fresh_copies(inputs: list[tf.Tensor], output_grads: Sequence[Any]) -> list[tf.Tensor]:
+    """One new tensor per input position (the same tensor passed twice must get
+    two separate gradients). Inside a graph they also depend on the incoming
+    gradient, so the replay cannot be scheduled before it is needed, nor merged
+    with the forward by Grappler or XLA (which would keep every activation)."""
+    if tf.executing_eagerly():
+        return [tf.identity(x) for x in inputs]
+    grad = next((g for g in output_grads if g is not None), None)
+    if grad is None:
+        return [tf.identity(x) for x in inputs]
+    first = tf.reduce_max(tf.reshape(tf.convert_to_tensor(grad), [-1])[:1])
+    as_bool = tf.cast(first, tf.bool)
+    # Always zero (a bool equals itself), but XLA cannot prove it.
+    zero = tf.where(tf.equal(as_bool, as_bool), 0.0, float("nan"))
+    return [x + tf.cast(zero, x.dtype) for x in inputs]
+
+
+@contextlib.contextmanager
+def _refuse_new_variables(name: str) -> Iterator[None]:
+    def creator(next_creator, **kwargs):
+        raise ValueError(
+            f"checkpointable: `{name}` created a new variable "
+            f"({kwargs.get('name') or 'unnamed'}) while it was replayed for backprop. A "
+            "checkpointed function must not create layers or variables on every call: the "
+            "replay would make new ones and their gradients would be lost. Create the "
+            "layers once, outside the function (e.g. in __init__), and call them inside."
+        )
+
+    with tf.variable_creator_scope(creator):
+        yield

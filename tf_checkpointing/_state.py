@@ -1,0 +1,148 @@
+"""Replay of variable and random-generator state.
+
+A checkpointed function may change state while it runs: Keras ``Dropout`` and
+every ``keras.random`` op with a ``SeedGenerator`` advance the generator's seed
+variable, ``tf.random.Generator`` advances its counter, ``BatchNormalization``
+assigns its moving statistics, a counter may ``assign_add``. A naive replay runs
+those writes a second time (BatchNorm statistics updated twice) and reads state
+the forward already advanced (another dropout mask, so silently wrong
+gradients). This is the defect behind most wrong gradients in
+``tf.recompute_grad`` / ``keras.remat``.
+
+:class:`StateRecorder` watches every op the forward runs (an op callback, so it
+sees ops in eager mode and ops built while tracing ``tf.function`` / XLA) and
+records, for each resource variable the forward writes, the value it had when
+the forward first touched it. :func:`replayed_state` then brackets the replay:
+it puts those values back, lets the replay run, and afterwards restores the
+values the variables had just before the replay. The net effect: state is
+updated exactly once, by the forward, and the replay sees what the forward saw.
+It works on the variable handles, so it covers Keras variables, ``tf.Variable``
+and ``tf.random.Generator`` alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Iterator, Optional
+
+import tensorflow as tf
+from tensorflow.python.framework import op_callbacks
+from tensorflow.python.ops import gen_resource_variable_ops
+
+__all__: list[str] = []
+
+# Ops that write a resource variable, and where to find the dtype of its value.
+_WRITES_WITH_VALUE_AT = {
+    "AssignVariableOp": 1,
+    "AssignAddVariableOp": 1,
+    "AssignSubVariableOp": 1,
+    "ResourceStridedSliceAssign": 4,
+}
+_RNG_STATE_WRITES = ("RngReadAndSkip", "RngSkip")
+
+
+@dataclasses.dataclass
+class _TouchedVariable:
+    handle: Any
+    dtype: tf.DType
+    value_before: Optional[tf.Tensor]  # None: the forward wrote it before reading it
+    written: bool = False
+
+
+class StateRecorder:
+    """Records what a forward pass reads first and writes, per variable handle.
+
+    Use it as a context manager around the forward; afterwards ``written``
+    lists the variables to bracket in the replay.
+    """
+
+    def __init__(self) -> None:
+        self._touched: dict[Any, _TouchedVariable] = {}
+
+    def __enter__(self) -> StateRecorder:
+        op_callbacks.add_op_callback(self._on_op)
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        op_callbacks.remove_op_callback(self._on_op)
+        # Keep only what the replay needs: the variables the forward wrote.
+        self._touched = {k: t for k, t in self._touched.items() if t.written}
+
+    @property
+    def written(self) -> list[_TouchedVariable]:
+        return [t for t in self._touched.values() if t.written]
+
+    def _on_op(self, op_type, inputs, attrs, outputs, op_name=None, graph=None):
+        if not inputs or getattr(inputs[0], "dtype", None) != tf.resource:
+            return None
+        key = inputs[0].ref()
+        touched = self._touched.get(key)
+        if op_type == "ReadVariableOp":
+            if touched is None:
+                self._touched[key] = _TouchedVariable(inputs[0], outputs[0].dtype, outputs[0])
+            return None
+        dtype, value_before = _write_signature(op_type, inputs, outputs)
+        if dtype is None:
+            return None  # not a variable write (lookup tables, iterators, ...)
+        if touched is None:
+            touched = self._touched[key] = _TouchedVariable(inputs[0], dtype, value_before)
+        touched.written = True
+        return None
+
+    def restore_before(self) -> None:
+        """Puts back the pre-forward value of every written variable (used when
+        the forward raises, so that a failed call leaves no trace)."""
+        for touched in self.written:
+            if touched.value_before is not None:
+                _assign(touched, touched.value_before)
+
+
+def _write_signature(op_type, inputs, outputs):
+    """(dtype of the variable, its value before this op if derivable) for an op
+    that writes a variable, else (None, None)."""
+    if op_type in _RNG_STATE_WRITES:
+        # RngReadAndSkip returns the state it found: exactly the value before.
+        before = outputs[0] if op_type == "RngReadAndSkip" else None
+        return tf.int64, before
+    if op_type in _WRITES_WITH_VALUE_AT:
+        value = inputs[_WRITES_WITH_VALUE_AT[op_type]]
+        before = None
+        if op_type in ("AssignAddVariableOp", "AssignSubVariableOp"):
+            # The variable was not read before this op: read it back now and undo
+            # the delta (exact for the integer counters this is used for).
+            after = gen_resource_variable_ops.read_variable_op(inputs[0], value.dtype)
+            before = after - value if op_type == "AssignAddVariableOp" else after + value
+        return value.dtype, before
+    if op_type.startswith("ResourceScatter"):
+        return inputs[2].dtype, None
+    if op_type.startswith("Stateful"):
+        return tf.int64, None
+    return None, None
+
+
+def _assign(touched: _TouchedVariable, value: tf.Tensor) -> None:
+    gen_resource_variable_ops.assign_variable_op(touched.handle, value)
+
+
+def _read(touched: _TouchedVariable) -> tf.Tensor:
+    return gen_resource_variable_ops.read_variable_op(touched.handle, touched.dtype)
+
+
+@contextlib.contextmanager
+def replayed_state(recorder: StateRecorder) -> Iterator[None]:
+    """Runs the body (the replay) on the state the forward saw, then puts the
+    current state back, whether the body returns or raises."""
+    written = recorder.written
+    if not written:
+        yield
+        return
+    current = [_read(t) for t in written]
+    for touched in written:
+        if touched.value_before is not None:
+            _assign(touched, touched.value_before)
+    try:
+        yield
+    finally:
+        for touched, value in zip(written, current):
+            _assign(touched, value)
