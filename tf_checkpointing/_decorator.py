@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any, Callable, Iterable, Optional, TypeVar, Union, overload
+from collections.abc import Iterable
+from typing import Any, Callable, Optional, TypeVar, Union, overload
 
 import keras
 import tensorflow as tf
@@ -215,17 +216,25 @@ class _BoundCheckpointedFunction(wrapt.BoundFunctionWrapper):
     call-time options, because Keras checks call arguments against it."""
 
     @property
-    def __signature__(self) -> Optional[inspect.Signature]:
+    def __func__(self) -> Any:
+        func = self.__wrapped__.__func__
         if not isinstance(self._self_instance, keras.layers.Layer):
-            return None
-        sig = inspect.signature(self.__wrapped__)
+            return func
+        # inspect.signature() reads a bound method's signature from __func__.
+        sig = inspect.signature(func)
         params = [p for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD]
         var_kw = [p for p in sig.parameters.values() if p.kind is p.VAR_KEYWORD]
         extra = [
             inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None)
             for name in sorted(_OPTION_NAMES) if name not in sig.parameters
         ]
-        return sig.replace(parameters=params + extra + var_kw)
+
+        def with_call_options(*args: Any, **kwargs: Any) -> Any:
+            return func(*args, **kwargs)
+
+        with_call_options.__signature__ = sig.replace(  # type: ignore[attr-defined]
+            parameters=params + extra + var_kw)
+        return with_call_options
 
 
 class CheckpointedFunction(wrapt.FunctionWrapper):

@@ -12,7 +12,8 @@ put them back around the replay.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 __all__: list[str] = []
 

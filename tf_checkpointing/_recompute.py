@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Callable, Iterator, Optional, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any, Callable, Optional
 
 import tensorflow as tf
 from tensorflow.python.eager import record
+from tensorflow.python.eager import tape as tape_lib
 
 from tf_checkpointing import _keras_context, _seeding
 from tf_checkpointing._flags import checkpoint_scope
@@ -133,7 +135,7 @@ class _Replay:
     def run_forward(self, inputs: Sequence[tf.Tensor]) -> Any:
         with record.stop_recording(), checkpoint_scope(recomputing=False), self.recorder:
             for variable in self.watch_vars:
-                record.variable_accessed(variable)
+                tape_lib.variable_accessed(variable)  # into the custom gradient's list
             try:
                 with self._seeded():
                     return self._call(inputs)

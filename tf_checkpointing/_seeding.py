@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import random
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any, Optional
 
 import tensorflow as tf
 from tensorflow.python.eager import context

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any, Optional
 
 import tensorflow as tf
 from tensorflow.python.framework import op_callbacks
@@ -59,8 +60,10 @@ class StateRecorder:
 
     def __init__(self) -> None:
         self._touched: dict[Any, _TouchedVariable] = {}
+        self._graph: Optional[tf.Graph] = None
 
     def __enter__(self) -> StateRecorder:
+        self._graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
         op_callbacks.add_op_callback(self._on_op)
         return self
 
@@ -76,6 +79,8 @@ class StateRecorder:
     def _on_op(self, op_type, inputs, attrs, outputs, op_name=None, graph=None):
         if not inputs or getattr(inputs[0], "dtype", None) != tf.resource:
             return None
+        if graph is not self._graph:
+            return None  # e.g. a variable initializer run under init_scope
         key = inputs[0].ref()
         touched = self._touched.get(key)
         if op_type == "ReadVariableOp":

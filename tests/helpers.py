@@ -1,0 +1,48 @@
+"""Shared helpers: run a step with and without checkpointing and compare."""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+from conftest import compile_step
+
+
+def grads_of(fn, inputs, variables, mode, **call_kwargs):
+    """(loss, input grads, variable grads) of sum(fn(*inputs)**2) in ``mode``."""
+
+    def step(*xs):
+        with tf.GradientTape() as tape:
+            tape.watch([x for x in xs if isinstance(x, tf.Tensor)])
+            out = fn(*xs, **call_kwargs)
+            loss = tf.add_n([tf.reduce_sum(tf.cast(o, tf.float32) ** 2)
+                             for o in tf.nest.flatten(out)
+                             if isinstance(o, tf.Tensor) and o.dtype.is_floating])
+        return loss, tape.gradient(loss, list(xs) + list(variables))
+
+    return compile_step(step, mode)(*inputs)
+
+
+def assert_all_close(actual, expected, rtol=1e-5, atol=1e-6, names=None):
+    """Leaf-by-leaf comparison; a None must match a None."""
+    actual, expected = tf.nest.flatten(actual), tf.nest.flatten(expected)
+    assert len(actual) == len(expected)
+    for k, (a, e) in enumerate(zip(actual, expected)):
+        label = names[k] if names else k
+        if e is None or a is None:
+            assert a is None and e is None, f"{label}: {a} vs {e}"
+            continue
+        np.testing.assert_allclose(
+            np.asarray(tf.cast(a, tf.float64)), np.asarray(tf.cast(e, tf.float64)),
+            rtol=rtol, atol=atol, err_msg=str(label))
+
+
+class Counter:
+    """Counts how often the wrapped function body runs (eagerly or when traced)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.calls = 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.fn(*args, **kwargs)
