@@ -215,6 +215,11 @@ class _BoundCheckpointedFunction(wrapt.BoundFunctionWrapper):
     decorated ``call`` of a Layer subclass), its signature also lists the
     call-time options, because Keras checks call arguments against it."""
 
+    # AutoGraph would warn on every trace that it cannot convert a wrapt wrapper,
+    # then call it as it is; this attribute says so up front. The body runs as
+    # written, like a Keras layer's call: use tf.cond for tensor conditions.
+    autograph_info__ = None
+
     @property
     def __func__(self) -> Any:
         func = self.__wrapped__.__func__
@@ -237,8 +242,12 @@ class _BoundCheckpointedFunction(wrapt.BoundFunctionWrapper):
         return with_call_options
 
 
+
+
 class CheckpointedFunction(wrapt.FunctionWrapper):
     """A function or method made checkpointable (see :func:`checkpointable`)."""
+
+    autograph_info__ = None  # runs as written under AutoGraph (see above)
 
     __bound_function_wrapper__ = _BoundCheckpointedFunction
 

@@ -67,7 +67,7 @@ def forced_seed(call_seed: Any) -> Iterator[None]:
 @contextlib.contextmanager
 def _eager_global_seed(seed: int) -> Iterator[None]:
     ctx = context.context()
-    saved = (ctx._seed, ctx._rng)  # noqa: SLF001
+    saved = (ctx._seed, getattr(ctx, "_rng", None))  # noqa: SLF001
     ctx._set_global_seed(seed)  # noqa: SLF001 (also clears the cached random kernels)
     try:
         yield
@@ -85,8 +85,8 @@ class _StatelessRewriter:
 
     def __call__(self, op_type, inputs, attrs, outputs, op_name=None, graph=None):
         make = _STATELESS_TWINS.get(op_type)
-        if make is None or graph is None:
-            return None
+        if make is None or graph is None or outputs is None:
+            return outputs  # unchanged (see _state.StateRecorder._on_op)
         seed = tf.random.experimental.stateless_fold_in(self._call_seed, self._count)
         self._count += 1
         return [make(inputs, outputs[0].dtype, seed)]

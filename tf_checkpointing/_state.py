@@ -77,23 +77,27 @@ class StateRecorder:
         return [t for t in self._touched.values() if t.written]
 
     def _on_op(self, op_type, inputs, attrs, outputs, op_name=None, graph=None):
-        if not inputs or getattr(inputs[0], "dtype", None) != tf.resource:
-            return None
-        if graph is not self._graph:
-            return None  # e.g. a variable initializer run under init_scope
+        # TensorFlow hands each callback the outputs the previous one returned,
+        # so a callback that changes nothing must return them as they are.
+        if graph is self._graph and outputs is not None and inputs:
+            self._record(op_type, inputs, outputs)
+        return outputs
+
+    def _record(self, op_type, inputs, outputs):
+        if getattr(inputs[0], "dtype", None) != tf.resource:
+            return
         key = inputs[0].ref()
         touched = self._touched.get(key)
         if op_type == "ReadVariableOp":
             if touched is None:
                 self._touched[key] = _TouchedVariable(inputs[0], outputs[0].dtype, outputs[0])
-            return None
+            return
         dtype, value_before = _write_signature(op_type, inputs, outputs)
         if dtype is None:
-            return None  # not a variable write (lookup tables, iterators, ...)
+            return  # not a variable write (lookup tables, iterators, ...)
         if touched is None:
             touched = self._touched[key] = _TouchedVariable(inputs[0], dtype, value_before)
         touched.written = True
-        return None
 
     def restore_before(self) -> None:
         """Puts back the pre-forward value of every written variable (used when
