@@ -328,3 +328,22 @@ class TestBadInput:
         wrapped = checkpointable(body, checkpoint=True)
         with pytest.raises(ValueError, match=r"`.*body` created a new variable.*outside the func"):
             grads_of(wrapped, [tf.ones([1, 2])], [], mode)
+
+    @pytest.mark.parametrize("mode", ["eager", "function", "xla"])
+    def test_closed_over_tensor_that_needs_a_gradient(self, mode):
+        w = tf.Variable(2.0)
+
+        def step(x):
+            with tf.GradientTape() as tape:
+                scale = w * 3.0  # computed under the tape: its gradient reaches w
+                y = checkpointable(lambda x: x * scale, checkpoint=True)(x)
+            return tape.gradient(y, w)
+
+        with pytest.raises(ValueError, match=r"uses a tensor it did not receive as an argument"):
+            compile_step(step, mode)(tf.constant(1.0))
+
+    def test_closed_over_constant_is_fine(self):
+        scale = tf.constant(3.0)  # no tape watches it: nothing is lost
+        wrapped = checkpointable(lambda x: x * scale, checkpoint=True)
+        _, (grad,) = grads_of(wrapped, [tf.constant(1.0)], [], "eager")
+        assert float(grad) == 2 * 3.0 * 3.0

@@ -32,6 +32,7 @@ from tensorflow.python.eager import record
 from tensorflow.python.eager import tape as tape_lib
 
 from tf_checkpointing import _keras_context, _seeding
+from tf_checkpointing._captures import CaptureGuard
 from tf_checkpointing._flags import checkpoint_scope
 from tf_checkpointing._state import StateRecorder, replayed_state
 
@@ -133,12 +134,15 @@ class _Replay:
         return _seeding.forced_seed(self.call_seed)
 
     def run_forward(self, inputs: Sequence[tf.Tensor]) -> Any:
-        with record.stop_recording(), checkpoint_scope(recomputing=False), self.recorder:
-            for variable in self.watch_vars:
-                tape_lib.variable_accessed(variable)  # into the custom gradient's list
+        guard = CaptureGuard(self.name, inputs)
+        with checkpoint_scope(recomputing=False), self.recorder:
             try:
-                with self._seeded():
-                    return self._call(inputs)
+                with record.stop_recording(), guard, self._seeded():
+                    for variable in self.watch_vars:
+                        tape_lib.variable_accessed(variable)  # into the custom gradient's list
+                    out = self._call(inputs)
+                guard.check()  # outside stop_recording: asks whether a tape watches
+                return out
             except BaseException:
                 if tf.executing_eagerly():
                     self.recorder.restore_before()
