@@ -347,3 +347,19 @@ class TestBadInput:
         wrapped = checkpointable(lambda x: x * scale, checkpoint=True)
         _, (grad,) = grads_of(wrapped, [tf.constant(1.0)], [], "eager")
         assert float(grad) == 2 * 3.0 * 3.0
+
+
+def test_nested_checkpoints_give_exact_gradients_and_replay_the_inner_call(mode):
+    w = tf.Variable([[0.5, -0.3], [0.2, 0.8]], name="w")
+    inner_body = Counter(lambda x: tf.tanh(tf.matmul(x, w)))
+    inner = checkpointable(inner_body, checkpoint=True)
+    outer_body = Counter(lambda x: inner(inner(x) * 2.0) + x)
+    outer = checkpointable(outer_body, checkpoint=True)
+    x = tf.constant([[1.0, 2.0], [-1.0, 0.5]])
+    plain = grads_of(lambda x: inner_body.fn(inner_body.fn(x) * 2.0) + x, [x], [w], mode)
+    ours = grads_of(outer, [x], [w], mode)
+    assert_all_close(ours, plain)
+    # The outer body runs twice (forward, replay); inside the outer forward the
+    # inner calls are plain (2 runs), inside the outer replay they are
+    # checkpointed themselves (2 calls x forward and replay = 4 runs).
+    assert outer_body.calls == 2 and inner_body.calls == 6

@@ -28,6 +28,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any, Callable, Optional
 
 import tensorflow as tf
+from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import record
 from tensorflow.python.eager import tape as tape_lib
 
@@ -43,9 +44,12 @@ CHECK_ENV_VAR = "TF_CHECKPOINTING_CHECK"
 
 def needs_checkpoint() -> bool:
     """False when no gradient can be taken of the call, so the function is run
-    directly: eager execution with no tape recording. Inside a graph the
-    gradient may be asked for later, so the call is always wrapped (a cost paid
-    once, at trace time)."""
+    directly: recording is stopped (``tape.stop_recording()``, or the forward of
+    an enclosing checkpointed call), or eager execution with no tape. Inside a
+    graph the gradient may be asked for later, so the call is wrapped (a cost
+    paid once, at trace time)."""
+    if pywrap_tfe.TFE_Py_TapeSetIsStopped():
+        return False
     return not tf.executing_eagerly() or record.could_possibly_record()
 
 
