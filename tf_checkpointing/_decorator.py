@@ -222,7 +222,7 @@ class _BoundCheckpointedFunction(wrapt.BoundFunctionWrapper):
 
     @property
     def __func__(self) -> Any:
-        func = self.__wrapped__.__func__
+        func = self.__wrapped__.__func__  # type: ignore[attr-defined]
         if not isinstance(self._self_instance, keras.layers.Layer):
             return func
         # inspect.signature() reads a bound method's signature from __func__.
