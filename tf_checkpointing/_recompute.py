@@ -83,9 +83,7 @@ def checkpointed_call(
     """
     leaves = tf.nest.flatten((args, kwargs))
     positions = [i for i, leaf in enumerate(leaves) if is_differentiable(leaf)]
-    check = check or os.environ.get(CHECK_ENV_VAR, "").lower() in ("1", "true", "values")
-    if check and os.environ.get(CHECK_ENV_VAR, "").lower() == "values":
-        check = "values"
+    check = check or _check_mode_from_environment()
     replay = _Replay(fn, (args, kwargs), leaves, positions, watch_vars, force_seed, check)
     returned: dict[str, Any] = {}
 
@@ -103,6 +101,14 @@ def checkpointed_call(
     for i, tensor in zip(replay.out_positions, differentiable_outputs):
         out_leaves[i] = tensor
     return tf.nest.pack_sequence_as(returned.pop("out"), out_leaves)
+
+
+def _check_mode_from_environment() -> Any:
+    """``TF_CHECKPOINTING_CHECK``: ``1``/``true`` checks structure, ``values`` values."""
+    setting = os.environ.get(CHECK_ENV_VAR, "").lower()
+    if setting == "values":
+        return "values"
+    return setting in ("1", "true")
 
 
 class _Replay:
