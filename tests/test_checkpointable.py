@@ -363,3 +363,11 @@ def test_nested_checkpoints_give_exact_gradients_and_replay_the_inner_call(mode)
     # inner calls are plain (2 runs), inside the outer replay they are
     # checkpointed themselves (2 calls x forward and replay = 4 runs).
     assert outer_body.calls == 2 and inner_body.calls == 6
+
+
+def test_forward_accumulator_gets_the_exact_jvp():
+    wrapped = checkpointable(lambda x: tf.sin(x) * x, checkpoint=True)
+    x, tangent = tf.constant([1.0, 2.0]), tf.constant([1.0, 0.5])
+    with tf.autodiff.ForwardAccumulator(x, tangent) as acc:
+        y = wrapped(x)
+    np.testing.assert_allclose(acc.jvp(y), (tf.cos(x) * x + tf.sin(x)) * tangent, rtol=1e-6)

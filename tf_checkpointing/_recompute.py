@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional
 
 import tensorflow as tf
 from tensorflow.python import pywrap_tfe
-from tensorflow.python.eager import record
+from tensorflow.python.eager import forwardprop_util, record
 from tensorflow.python.eager import tape as tape_lib
 
 from tf_checkpointing import _keras_context, _seeding
@@ -83,6 +83,10 @@ def checkpointed_call(
     """
     leaves = tf.nest.flatten((args, kwargs))
     positions = [i for i, leaf in enumerate(leaves) if is_differentiable(leaf)]
+    if forwardprop_util.pack_tangents([leaves[i] for i in positions]).tangents:
+        # A ForwardAccumulator watches the inputs: forward-mode autodiff keeps
+        # no activations anyway, and would not see through a replay.
+        return fn(*args, **kwargs)
     check = check or _check_mode_from_environment()
     replay = _Replay(fn, (args, kwargs), leaves, positions, watch_vars, force_seed, check)
     returned: dict[str, Any] = {}
