@@ -256,7 +256,10 @@ class CheckpointedLayer(wrapt.ObjectProxy):
     """A Keras layer instance whose calls are checkpointable.
 
     It is the wrapped layer for ``isinstance``, attributes and variable
-    tracking; only ``__call__`` is intercepted.
+    tracking; only ``__call__`` is intercepted. Called on KerasTensors (building
+    a functional model, or a Sequential with an ``Input``), it runs Keras' own
+    ``__call__`` with the proxy as ``self``: the graph node then records the
+    proxy, so the model's calls come through it instead of bypassing it.
     """
 
     def __init__(self, layer: keras.layers.Layer, options: _Options) -> None:
@@ -264,7 +267,22 @@ class CheckpointedLayer(wrapt.ObjectProxy):
         self._self_options = options
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not needs_checkpoint() and _is_symbolic(args, kwargs):
+            given = sorted(_OPTION_NAMES.intersection(kwargs))
+            if given:
+                raise TypeError(
+                    f"checkpointable: call-time options {given} cannot be given when a "
+                    "layer is called on KerasTensors (a functional model stores the call, "
+                    "not the options). Set them on the layer instead, e.g. "
+                    "checkpointable(layer, checkpoint=True, force_seed=True)."
+                )
+            return type(self.__wrapped__).__call__(self, *args, **kwargs)
         return dispatch(self.__wrapped__, args, kwargs, self._self_options)
 
     def __repr__(self) -> str:
         return f"<checkpointable {self.__wrapped__!r}>"
+
+
+def _is_symbolic(args: tuple, kwargs: dict) -> bool:
+    """A call on KerasTensors: Keras is building a functional graph."""
+    return any(isinstance(t, keras.KerasTensor) for t in keras.tree.flatten((args, kwargs)))

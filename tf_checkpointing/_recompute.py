@@ -34,7 +34,8 @@ from tensorflow.python.eager import tape as tape_lib
 
 from tf_checkpointing import _keras_context, _seeding
 from tf_checkpointing._captures import CaptureGuard
-from tf_checkpointing._flags import checkpoint_scope
+from tf_checkpointing._control_flow import CaptureMap
+from tf_checkpointing._flags import checkpoint_scope, is_recomputing
 from tf_checkpointing._state import StateRecorder, replayed_state
 
 __all__: list[str] = []
@@ -131,6 +132,7 @@ class _Replay:
         self.check = check
         self.keras_context = _keras_context.capture()
         self.recorder = StateRecorder()
+        self.captures = CaptureMap()
         self.out_positions: list[int] = []
         self.out_signature: Any = None
         self.out_values: Optional[list[tf.Tensor]] = None
@@ -149,9 +151,10 @@ class _Replay:
 
     def run_forward(self, inputs: Sequence[tf.Tensor]) -> Any:
         guard = CaptureGuard(self.name, inputs)
-        with checkpoint_scope(recomputing=False), self.recorder:
+        # Inside an enclosing checkpoint's replay, this forward is part of a replay.
+        with checkpoint_scope(recomputing=is_recomputing()), self.recorder:
             try:
-                with record.stop_recording(), guard, self._seeded():
+                with record.stop_recording(), guard, self.captures.recording(), self._seeded():
                     for variable in self.watch_vars:
                         tape_lib.variable_accessed(variable)  # into the custom gradient's list
                     out = self._call(inputs)
@@ -175,6 +178,7 @@ class _Replay:
         inputs = [self.leaves[i] for i in self.positions]
         with contextlib.ExitStack() as scopes:
             scopes.enter_context(checkpoint_scope(recomputing=True))
+            scopes.enter_context(self.captures.replaying())
             scopes.enter_context(_keras_context.restored(self.keras_context))
             scopes.enter_context(replayed_state(self.recorder))
             scopes.enter_context(self._seeded())
@@ -196,7 +200,8 @@ class _Replay:
                 targets, inputs + differentiable_vars, output_gradients=target_grads
             ) if targets else [None] * (len(inputs) + len(differentiable_vars))
         input_grads = list(grads[: len(inputs)])
-        by_variable = {id(v): g for v, g in zip(differentiable_vars, grads[len(inputs):])}
+        variable_grads = _after_replay(grads[len(inputs):], targets)
+        by_variable = {id(v): g for v, g in zip(differentiable_vars, variable_grads)}
         if not variables:
             return input_grads
         return input_grads, [by_variable.get(id(v)) for v in variables]
@@ -232,6 +237,32 @@ def _signature(out: Any) -> Any:
         return type(leaf).__name__
 
     return tf.nest.map_structure(describe, out)
+
+
+def _after_replay(grads: Sequence[Any], outputs: list[tf.Tensor]) -> list[Any]:
+    """Variable gradients that depend, by data, on the replay's outputs, so an
+    optimizer step cannot update a variable before the replay has read it.
+
+    In a graph, a Dense kernel's gradient does not need the kernel's value, so
+    only a control edge (automatic control dependencies) orders the replay's read
+    of the kernel before the optimizer's in-place update; Grappler's dependency
+    optimizer drops that edge, and the replay then sometimes reads the updated
+    kernel: wrong gradients for every layer below. (XLA reads all variables
+    before any update; eager runs in order.)"""
+    if tf.executing_eagerly() or not outputs:
+        return list(grads)
+    probes = [tf.cast(tf.reshape(t, [-1])[:1], tf.float32) for t in outputs]
+    as_bool = tf.cast(tf.reduce_max(tf.concat(probes, 0)), tf.bool)
+    # Always zero (a bool equals itself), but no optimizer can prove it.
+    zero = tf.where(tf.equal(as_bool, as_bool), 0.0, float("nan"))
+
+    def ordered(grad: Any) -> Any:
+        if isinstance(grad, tf.IndexedSlices):
+            values = grad.values + tf.cast(zero, grad.values.dtype)
+            return tf.IndexedSlices(values, grad.indices, grad.dense_shape)
+        return None if grad is None else grad + tf.cast(zero, grad.dtype)
+
+    return [ordered(grad) for grad in grads]
 
 
 def _fresh_copies(inputs: list[tf.Tensor], output_grads: Sequence[Any]) -> list[tf.Tensor]:
