@@ -1,0 +1,218 @@
+"""plan_sequential: the schedule is optimal (against brute force), nests when the budget
+demands it, fits its budget on real layers, and recomputes nothing at a large budget."""
+
+import itertools
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from helpers import Counter
+
+from tf_checkpointing import _planner
+from tf_checkpointing._planner import (
+    Segment,
+    SequentialPlan,
+    _inner,
+    plan_sequential,
+    predict_peak,
+    solve,
+)
+from tf_checkpointing._profile import ChainProfile, LayerProfile
+from tf_checkpointing._sequential import checkpoint_sequential
+
+MIB = 2**20
+
+
+def _synthetic(x, kept, seconds, weight=0, plain=None):
+    """A profile of layers with inputs of x[i] bytes, keeping kept[i] bytes."""
+    layers = tuple(
+        LayerProfile(name=f"l{i}", kept_bytes=k, forward_peak_bytes=k + x[i + 1] // 2,
+                     untaped_peak_bytes=x[i + 1] + x[i + 1] // 2,
+                     backward_peak_bytes=x[i] + weight, weight_grad_bytes=weight,
+                     seconds=c)
+        for i, (k, c) in enumerate(zip(kept, seconds)))
+    profile = ChainProfile(layers=layers, boundary_bytes=tuple(x),
+                           boundary_grad_bytes=tuple(x), plain_peak_bytes=0, device="CPU:0")
+    plain_peak = predict_peak(profile, (Segment(0, len(kept), False),))
+    return ChainProfile(layers=layers, boundary_bytes=tuple(x), boundary_grad_bytes=tuple(x),
+                        plain_peak_bytes=plain_peak if plain is None else plain,
+                        device="CPU:0")
+
+
+def _schedules(s, t):
+    """Every schedule of layers [s, t): plain layers and nested checkpoints."""
+    if s == t:
+        yield ()
+        return
+    for rest in _schedules(s + 1, t):
+        yield (Segment(s, s + 1, False),) + rest
+    for mid in range(s + 1, t):
+        for inner, rest in itertools.product(list(_schedules(s, mid)),
+                                             list(_schedules(mid, t))):
+            yield (Segment(s, mid, True, _inner(inner)),) + rest
+
+
+def _work(profile, pieces):
+    seconds = [layer.seconds for layer in profile.layers]
+    counts = SequentialPlan(len(seconds), pieces).forward_counts
+    return sum(c * s for c, s in zip(counts, seconds))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_least_work_and_least_memory_match_brute_force(seed, monkeypatch):
+    monkeypatch.setattr(_planner, "_HEADROOM", 0.0)  # the program itself, exactly
+    rng = np.random.default_rng(seed)
+    n = 6
+    x = [int(v) for v in rng.integers(1, 5, n + 1) * 1000]
+    kept = [int(v) for v in rng.integers(1, 6, n) * 1000]
+    profile = _synthetic(x, kept, rng.uniform(1.0, 3.0, n), weight=100)
+    candidates = [(predict_peak(profile, p), _work(profile, p), p) for p in _schedules(0, n)]
+    least_memory = min(peak for peak, _, _ in candidates)
+    plan = solve(profile, 2**40)
+    assert plan.min_budget_bytes == pytest.approx(least_memory, abs=1)
+    for budget in np.linspace(least_memory, profile.plain_peak_bytes, 7)[1:-1]:
+        plan = solve(profile, int(budget))
+        best = min(work for peak, work, _ in candidates if peak <= budget)
+        slack = min((work for peak, work, _ in candidates if peak <= 0.98 * budget),
+                    default=np.inf)
+        assert plan.predicted_peak_bytes <= budget
+        assert best - 1e-9 <= _work(profile, plan.pieces) <= slack + 1e-9
+
+
+def test_checkpoints_nest_as_the_budget_shrinks():
+    n = 32
+    profile = _synthetic([1000] * (n + 1), [4000] * n, [1.0] * n)
+    plans = [solve(profile, int(b)) for b in np.linspace(
+        solve(profile, 2**40).min_budget_bytes, profile.plain_peak_bytes, 6)]
+    depths = [p.depth for p in plans]
+    work = [p.extra_forward_layers for p in plans]
+    assert depths[0] >= 3 and depths[-1] == 0, depths
+    assert work == sorted(work, reverse=True), work  # more memory, less recomputation
+    assert work[-1] == 0
+    for plan in plans:
+        _assert_contiguous(plan.pieces, 0, n)
+
+
+def _assert_contiguous(pieces, start, stop):
+    assert pieces[0].start == start and pieces[-1].stop == stop
+    for a, b in zip(pieces, pieces[1:]):
+        assert a.stop == b.start and a.start < a.stop
+    for piece in pieces:
+        if piece.inner:
+            assert piece.checkpointed
+            _assert_contiguous(piece.inner, piece.start, piece.stop)
+
+
+# Real layers ----------------------------------------------------------------------
+
+
+def _layers(n=16, width=64):
+    keras.utils.set_random_seed(0)
+    return [keras.layers.Dense(width, activation="relu") for _ in range(n)]
+
+
+def _measured_peak(layers, x, budget):
+    variables = [v for layer in layers for v in layer.trainable_variables]
+
+    def step():
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            loss = tf.reduce_sum(checkpoint_sequential(layers, x, budget=budget))
+        return tape.gradient(loss, [x] + variables)
+
+    step()  # plans (profiles) outside the measurement
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    start = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    step()
+    return tf.config.experimental.get_memory_info("CPU:0")["peak"] - start
+
+
+def test_plans_fit_their_budget_on_real_layers():
+    layers = _layers()
+    x = tf.random.normal([1024, 64])  # activations 256 KiB, kernels 16 KiB
+    probe = plan_sequential(layers, x, budget=2**40)
+    assert probe.extra_forward_layers == 0
+    assert probe.min_budget_bytes < 0.8 * probe.plain_peak_bytes
+    for fraction in (0.0, 0.3, 0.7):
+        budget = int(probe.min_budget_bytes
+                     + fraction * (probe.plain_peak_bytes - probe.min_budget_bytes))
+        plan = plan_sequential(layers, x, budget=budget)
+        _assert_contiguous(plan.pieces, 0, 16)
+        assert plan.predicted_peak_bytes <= budget
+        assert plan.extra_forward_layers > 0
+        measured = _measured_peak(layers, x, budget)
+        assert measured <= 1.15 * budget, (fraction, measured / MIB, budget / MIB)
+        assert abs(plan.predicted_peak_bytes - measured) <= 0.25 * measured
+
+
+def test_recomputation_follows_the_plan_and_stops_at_a_large_budget():
+    layers = [Counter(layer) for layer in _layers(12)]
+    x = tf.random.normal([1024, 64])
+    probe = plan_sequential(layers, x, budget=2**40)
+    for budget, recomputes in ((probe.plain_peak_bytes, False),
+                               (probe.min_budget_bytes, True)):
+        plan = plan_sequential(layers, x, budget=budget)
+        for layer in layers:
+            layer.calls = 0
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = checkpoint_sequential(layers, x, budget=budget)
+        calls_forward = [layer.calls for layer in layers]
+        tape.gradient(y, x)
+        counts = [layer.calls for layer in layers]
+        assert counts == plan.forward_counts, str(plan)
+        assert (max(counts) > 1) is recomputes, str(plan)
+        assert calls_forward == [1] * 12  # planned already: no profiling in the step
+        if not recomputes:
+            assert plan.segments == [(0, 12)] and plan.extra_forward_layers == 0
+
+
+def test_profile_leaves_state_and_the_callers_tape_alone():
+    keras.utils.set_random_seed(0)
+    dropout = keras.layers.Dropout(0.5, seed=3)
+    norm = keras.layers.BatchNormalization()
+    layers = [keras.layers.Dense(8), norm, dropout, keras.layers.Dense(8)]
+    x = tf.random.normal([16, 8])
+    for layer in layers:
+        x_built = layer(x)
+    del x_built
+    before = [v.numpy().copy() for v in norm.non_trainable_variables + [
+        dropout.seed_generator.state]]
+    with tf.GradientTape() as tape:
+        plan_sequential(layers, x, budget=2**40, training=True)
+        assert not tape.watched_variables()  # the profile ran on no tape of ours
+    after = [v.numpy() for v in norm.non_trainable_variables + [dropout.seed_generator.state]]
+    for a, b in zip(after, before):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_str_describes_the_schedule():
+    n = 12
+    profile = _synthetic([1000] * (n + 1), [4000] * n, [1.0] * n)
+    plan = solve(profile, solve(profile, 2**40).min_budget_bytes)
+    text = str(plan)
+    assert text.startswith("SequentialPlan: 12 layers, budget ")
+    assert "predicted peak" in text and "extra layer forwards" in text
+    assert "[0, " in text and "checkpointed" in text
+    assert len(text.splitlines()) >= 1 + len(plan.pieces)
+
+
+def test_budget_below_the_minimum_names_the_minimum():
+    profile = _synthetic([1000] * 5, [4000] * 4, [1.0] * 4)
+    minimum = solve(profile, 2**40).min_budget_bytes
+    assert solve(profile, minimum).predicted_peak_bytes <= minimum
+    with pytest.raises(ValueError, match=rf"expected at least {minimum} bytes.*received "
+                                         rf"budget={minimum - 1} .*Raise the budget"):
+        solve(profile, minimum - 1)
+
+
+def test_cpu_planning_without_allocator_statistics_says_how_to_enable_them(monkeypatch):
+    if tf.config.list_logical_devices("GPU"):
+        pytest.skip("plans on the GPU, whose allocator always keeps statistics")
+    monkeypatch.delenv("TF_CPU_ALLOCATOR_USE_BFC", raising=False)
+    layers = [keras.layers.Dense(4) for _ in range(2)]
+    with pytest.raises(RuntimeError, match=r"CPU memory statistics are off.*"
+                                           r"TF_CPU_ALLOCATOR_USE_BFC=true before TensorFlow "
+                                           r"is imported.*or pass segments="):
+        plan_sequential(layers, tf.ones([2, 4]), budget=10**6)

@@ -1,0 +1,276 @@
+"""Checkpointing a chain of layers: ``checkpoint_sequential`` and ``CheckpointedSequential``.
+
+Most models are, at some level, a chain: a stack of transformer blocks, the
+stages of a ResNet, the layers of an MLP. Checkpointing each layer separately
+keeps every layer's input (``N`` inputs) and saves little when layers are
+cheap (keras #20743); checkpointing the whole chain keeps nothing but makes the
+replay hold every activation at once. Segments in between are the point: ``k``
+segments keep ``k`` inputs plus one segment's activations, least at
+``k ~ sqrt(N)`` (Chen et al. 2016), for one extra forward. With a byte
+``budget`` the planner (:mod:`tf_checkpointing._planner`) places segments, and
+segments inside segments, on the measured layers.
+
+Unlike ``torch.utils.checkpoint.checkpoint_sequential``, the input may be any
+nested structure of tensors, keyword arguments reach exactly the layers whose
+call takes them, and each segment is a
+:func:`~tf_checkpointing._recompute.checkpointed_call`: dropout masks and
+BatchNorm statistics are replayed as the forward ran them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, Optional, Union, cast
+
+import keras
+import tensorflow as tf
+
+from tf_checkpointing._planner import (
+    Segment,
+    SequentialPlan,
+    _expect_budget,
+    cached_plan,
+    even_plan,
+)
+from tf_checkpointing._profile import route_keywords, validate_layers
+from tf_checkpointing._recompute import checkpointed_call, needs_checkpoint
+
+__all__ = ["CheckpointedSequential", "checkpoint_sequential"]
+
+Segments = Union[int, str]
+_API = "checkpoint_sequential"
+_LAYER_API = "CheckpointedSequential"
+
+
+@tf.autograph.experimental.do_not_convert
+def checkpoint_sequential(
+    layers: Sequence[Any],
+    inputs: Any,
+    *,
+    segments: Segments = "sqrt",
+    budget: Optional[float] = None,
+    **kwargs: Any,
+) -> Any:
+    """Runs ``layers`` one after another, checkpointing segments of them.
+
+    Each checkpointed segment keeps only its input during the forward pass and
+    runs its layers again in backprop; gradients are exactly the plain chain's.
+    With ``segments=k`` the chain is cut into ``k`` nearly equal pieces and all
+    but the last are checkpointed (the last one's replay would begin right
+    away, saving nothing). With ``budget`` the chain is profiled once, on the
+    first call for these shapes, and the schedule with the least recomputation
+    within the budget is used (see :func:`plan_sequential`).
+
+    Args:
+        layers: the chain: Keras layers or callables; the first receives
+            ``inputs`` as one argument, each next one the previous output.
+        inputs: a tensor or a nested structure of tensors.
+        segments: number of pieces, from 1 (no checkpointing) to ``len(layers)``,
+            or ``"sqrt"`` for ``round(sqrt(len(layers)))``.
+        budget: bytes the training step may allocate above what is allocated
+            before it; overrides ``segments``.
+        **kwargs: keywords for the layers, e.g. ``training=True``; each layer
+            gets those its call accepts (``Dropout`` gets ``training``,
+            ``LayerNormalization`` and ``tf.nn.relu`` do not). Tensors among them
+            get gradients.
+
+    Returns:
+        The last layer's output.
+
+    Example:
+        >>> import keras, tensorflow as tf
+        >>> from tf_checkpointing import checkpoint_sequential
+        >>> layers = [keras.layers.Dense(32, activation="relu") for _ in range(9)]
+        >>> x = tf.random.normal([4, 32])
+        >>> with tf.GradientTape() as tape:
+        ...     y = checkpoint_sequential(layers, x, segments=3, training=True)
+        ...     loss = tf.reduce_sum(y)
+        >>> len(tape.gradient(loss, [v for l in layers for v in l.trainable_variables]))
+        18
+    """
+    layers = validate_layers(layers, _API)
+    routed = route_keywords(layers, kwargs, _API)
+    if budget is None:
+        count = expect_segments(segments, len(layers), _API)
+    else:
+        budget = _expect_budget(budget, _API)
+        if not isinstance(segments, str) or segments != "sqrt":
+            raise ValueError(
+                f"{_API}: pass either `segments` or `budget`, not both; received "
+                f"segments={segments!r} and budget={budget!r}. Drop segments= to plan "
+                "for the budget, or drop budget= for fixed segments."
+            )
+    if not needs_checkpoint():  # eager with no tape: nothing to plan or keep
+        return _run_layers(layers, routed, 0, len(layers), inputs)
+    if budget is None:
+        plan = even_plan(len(layers), count)
+    else:
+        plan = cached_plan(layers, inputs, budget, kwargs, routed, api=_API)
+    return run_plan(layers, plan, inputs, kwargs, routed)
+
+
+def expect_segments(segments: Any, num_layers: int, api: str) -> int:
+    """``segments`` as a count in ``[1, num_layers]``, or a clear error."""
+    if isinstance(segments, str) and segments == "sqrt":
+        return max(1, round(math.sqrt(num_layers)))
+    if isinstance(segments, bool) or not isinstance(segments, int):
+        raise TypeError(
+            f"{api}: argument `segments` must be an int or 'sqrt'; received "
+            f"{segments!r} of type {type(segments).__name__}. Pass e.g. segments=4 or "
+            "segments='sqrt'."
+        )
+    if not 1 <= segments <= num_layers:
+        raise ValueError(
+            f"{api}: argument `segments` must be between 1 and the number of layers "
+            f"({num_layers}); received segments={segments}. Pass a count in that range, "
+            "or segments='sqrt'."
+        )
+    return segments
+
+
+@tf.autograph.experimental.do_not_convert
+def run_plan(layers: Sequence[Any], plan: SequentialPlan, inputs: Any,
+             kwargs: dict[str, Any], routed: list[dict]) -> Any:
+    """Runs the chain as ``plan`` says. ``kwargs`` (all keywords) go to each
+    checkpointed call, so tensors among them get gradients; ``routed`` says
+    which of them each layer receives."""
+    if not needs_checkpoint():  # nothing can take a gradient: no checkpoints
+        return _run_layers(layers, routed, 0, len(layers), inputs)
+    return _run_pieces(layers, routed, plan.pieces, inputs, kwargs)
+
+
+def _run_layers(layers, routed, start, stop, x):
+    for k in range(start, stop):
+        x = layers[k](x, **routed[k])
+    return x
+
+
+def _run_pieces(layers, routed, pieces: Sequence[Segment], x, kwargs):
+    for piece in pieces:
+        if piece.checkpointed:
+            # The keywords go in as arguments (their tensors get gradients);
+            # the segment routes the values it receives, fresh in the replay.
+            x = checkpointed_call(_segment(layers, routed, piece), (x,), dict(kwargs))
+        else:
+            x = _run_layers(layers, routed, piece.start, piece.stop, x)
+    return x
+
+
+def _segment(layers, routed, piece: Segment):
+    def segment(x, /, **kwargs):
+        routed_now = [{k: kwargs[k] for k in r} for r in routed]
+        return _run_pieces(layers, routed_now, piece.pieces, x, kwargs)
+
+    segment.__name__ = segment.__qualname__ = f"layers_{piece.start}_to_{piece.stop}"
+    return segment
+
+
+@keras.saving.register_keras_serializable(package="tf_checkpointing")
+class CheckpointedSequential(keras.layers.Layer):
+    """A stack of Keras layers run as one checkpointed chain.
+
+    Behaves like ``keras.Sequential(layers)`` as a layer of a bigger model, with
+    the same weights in the same order, so weights move between the two both
+    ways: ``get_weights`` / ``set_weights``, and weight files
+    (``keras.saving.save_weights(layer, "w.weights.h5")`` here,
+    ``sequential.load_weights("w.weights.h5")`` there). Training keeps only the
+    inputs of its segments (see :func:`checkpoint_sequential`); it trains in
+    ``Model.fit`` and saves to ``.keras`` files (``get_config`` / ``from_config``).
+
+    Args:
+        layers: Keras layer instances, run one after another.
+        segments: number of pieces or ``"sqrt"``, as in
+            :func:`checkpoint_sequential`.
+        budget: bytes a training step may allocate; the chain is planned on the
+            first call whose input shapes are fully known and the plan is reused
+            after (also for the smaller last batch of an epoch).
+        **kwargs: base layer keywords (``name``, ``dtype``, ...).
+
+    Call arguments:
+        inputs: a tensor or nested structure of tensors.
+        training: passed to the layers that accept it.
+
+    Attributes:
+        plan: the :class:`SequentialPlan` it runs (with ``budget``: None until
+            the first call that plans).
+
+    Example:
+        >>> import keras, numpy as np
+        >>> from tf_checkpointing import CheckpointedSequential
+        >>> body = CheckpointedSequential(
+        ...     [keras.layers.Dense(16, activation="relu") for _ in range(4)], segments=2)
+        >>> model = keras.Sequential([keras.Input((16,)), body, keras.layers.Dense(1)])
+        >>> model.compile("sgd", "mse")
+        >>> model.fit(np.ones((8, 16)), np.ones((8, 1)), verbose=0).history["loss"][0] > 0
+        True
+    """
+
+    def __init__(self, layers: Sequence[keras.layers.Layer], segments: Segments = "sqrt",
+                 budget: Optional[float] = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        api = _LAYER_API
+        layers = validate_layers(layers, api)
+        for i, layer in enumerate(layers):
+            if not isinstance(layer, keras.layers.Layer):
+                raise TypeError(
+                    f"{api}: argument `layers` must contain only Keras layer instances "
+                    f"(to be saved and loaded); received {layer!r} of type "
+                    f"{type(layer).__name__} at index {i}. Wrap a function in a layer, "
+                    "e.g. keras.layers.Activation(tf.nn.gelu) or keras.layers.Lambda(fn), "
+                    "or use checkpoint_sequential for plain callables."
+                )
+        if budget is not None:
+            budget = _expect_budget(budget, api)
+            if not isinstance(segments, str) or segments != "sqrt":
+                raise ValueError(
+                    f"{api}: pass either `segments` or `budget`, not both; received "
+                    f"segments={segments!r} and budget={budget!r}. Drop one of them."
+                )
+        else:
+            expect_segments(segments, len(layers), api)
+        self.layers = list(layers)
+        self.segments = segments
+        self.budget = budget
+        self.plan: Optional[SequentialPlan] = None
+        if budget is None:
+            self.plan = even_plan(len(layers), expect_segments(segments, len(layers), api))
+
+    def build(self, input_shape: Any) -> None:
+        # Like keras.Sequential.build: a symbolic pass creates every layer's weights.
+        x = keras.tree.map_shape_structure(lambda shape: keras.KerasTensor(shape),
+                                           input_shape)
+        for layer in self.layers:
+            x = layer(x)
+
+    def call(self, inputs: Any, training: Optional[bool] = None) -> Any:
+        kwargs = {} if training is None else {"training": training}
+        routed = route_keywords(self.layers, kwargs, _LAYER_API, strict=False)
+        if not needs_checkpoint():  # eager with no tape: nothing to plan or keep
+            return _run_layers(self.layers, routed, 0, len(self.layers), inputs)
+        if self.plan is None:  # a budget, and no plan yet
+            self.plan = cached_plan(self.layers, inputs, cast(int, self.budget), kwargs, routed,
+                                    api=_LAYER_API)
+        return run_plan(self.layers, self.plan, inputs, kwargs, routed)
+
+    def compute_output_spec(self, inputs: Any, training: Optional[bool] = None) -> Any:
+        x = inputs
+        for layer in self.layers:
+            x = layer.compute_output_spec(x)
+        return x
+
+    def get_config(self) -> dict[str, Any]:
+        config = super().get_config()
+        config.update(
+            layers=[keras.saving.serialize_keras_object(layer) for layer in self.layers],
+            segments=self.segments,
+            budget=self.budget,
+        )
+        return config
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> CheckpointedSequential:
+        config = dict(config)
+        config["layers"] = [keras.saving.deserialize_keras_object(layer)
+                            for layer in config["layers"]]
+        return cls(**config)
