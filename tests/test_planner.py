@@ -10,9 +10,8 @@ import tensorflow as tf
 from helpers import Counter
 
 from tf_checkpointing import _planner
+from tf_checkpointing._plan import Segment, SequentialPlan
 from tf_checkpointing._planner import (
-    Segment,
-    SequentialPlan,
     _inner,
     plan_sequential,
     predict_peak,

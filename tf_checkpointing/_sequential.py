@@ -26,13 +26,8 @@ from typing import Any, Optional, Union, cast
 import keras
 import tensorflow as tf
 
-from tf_checkpointing._planner import (
-    Segment,
-    SequentialPlan,
-    _expect_budget,
-    cached_plan,
-    even_plan,
-)
+from tf_checkpointing._plan import Segment, SequentialPlan, even_plan
+from tf_checkpointing._planner import _expect_budget, cached_plan
 from tf_checkpointing._profile import route_keywords, validate_layers
 from tf_checkpointing._recompute import checkpointed_call, needs_checkpoint
 

@@ -1,0 +1,131 @@
+"""The plan: which layers of a chain run as checkpointed segments, nested how.
+
+A :class:`SequentialPlan` is a contiguous cover of a chain by :class:`Segment`
+pieces; a checkpointed piece keeps only its input and is replayed in backprop,
+possibly with checkpoints of its own inside (``inner``). :func:`even_plan`
+makes the fixed ``segments=k`` schedule; :mod:`tf_checkpointing._planner`
+solves for one within a memory budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from tf_checkpointing._profile import ChainProfile
+
+__all__ = ["SequentialPlan", "Segment"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """Layers ``[start, stop)`` of a chain, run plainly or as one checkpointed call.
+
+    Attributes:
+        start, stop: the layers it runs.
+        checkpointed: whether it keeps only its input and is replayed in backprop.
+        inner: for a checkpointed segment, the pieces its replay runs (nested
+            checkpoints); empty when the replay runs its layers plainly.
+    """
+
+    start: int
+    stop: int
+    checkpointed: bool
+    inner: tuple[Segment, ...] = ()
+
+    @property
+    def pieces(self) -> tuple[Segment, ...]:
+        """What running this segment's layers (its replay, when checkpointed) runs."""
+        return self.inner or (Segment(self.start, self.stop, False),)
+
+
+@dataclasses.dataclass(frozen=True)
+class SequentialPlan:
+    """A checkpointing schedule for a chain of ``num_layers`` layers.
+
+    Attributes:
+        num_layers: length of the chain.
+        pieces: the top level, a contiguous cover of the chain by :class:`Segment`.
+        budget_bytes: the budget it was planned for (None: fixed segments).
+        predicted_peak_bytes: the step's peak memory above what is allocated
+            before it, as the profile predicts it (None without a profile).
+        plain_peak_bytes: measured peak of the step without checkpointing.
+        min_budget_bytes: least memory of any schedule (the smallest budget).
+        profile: the per-layer measurements it was planned from.
+    """
+
+    num_layers: int
+    pieces: tuple[Segment, ...]
+    budget_bytes: Optional[int] = None
+    predicted_peak_bytes: Optional[int] = None
+    plain_peak_bytes: Optional[int] = None
+    min_budget_bytes: Optional[int] = None
+    profile: Optional[ChainProfile] = dataclasses.field(default=None, repr=False)
+
+    @property
+    def segments(self) -> list[tuple[int, int]]:
+        """The top level: ``(start, stop)`` of each piece, covering the chain."""
+        return [(p.start, p.stop) for p in self.pieces]
+
+    @property
+    def checkpointed(self) -> list[bool]:
+        """For each of ``segments``, whether it is checkpointed."""
+        return [p.checkpointed for p in self.pieces]
+
+    @property
+    def forward_counts(self) -> list[int]:
+        """How many times each layer's forward runs in one training step."""
+        counts = [1] * self.num_layers
+        _count(self.pieces, 0, counts)
+        return counts
+
+    @property
+    def extra_forward_layers(self) -> int:
+        """Layer forwards recomputed per step, on top of the one plain forward."""
+        return sum(self.forward_counts) - self.num_layers
+
+    @property
+    def depth(self) -> int:
+        """Levels of nested checkpoints (0: no recomputation)."""
+        return _depth(self.pieces)
+
+    def __str__(self) -> str:
+        mib = lambda n: "?" if n is None else f"{n / 2**20:.2f} MiB"  # noqa: E731
+        head = f"SequentialPlan: {self.num_layers} layers"
+        if self.budget_bytes is not None:
+            head += (f", budget {mib(self.budget_bytes)} -> predicted peak "
+                     f"{mib(self.predicted_peak_bytes)} (plain {mib(self.plain_peak_bytes)},"
+                     f" minimum {mib(self.min_budget_bytes)})")
+        head += (f"; {self.extra_forward_layers} extra layer forwards "
+                 f"({sum(self.forward_counts) / self.num_layers:.2f}x forward)")
+        return "\n".join([head] + _describe(self.pieces, "  "))
+
+
+def _count(pieces: tuple[Segment, ...], depth: int, counts: list[int]) -> None:
+    for piece in pieces:
+        if piece.checkpointed:
+            for k in range(piece.start, piece.stop):
+                counts[k] += 1
+            _count(piece.inner, depth + 1, counts)
+
+
+def _depth(pieces: tuple[Segment, ...]) -> int:
+    return max((1 + _depth(p.inner) for p in pieces if p.checkpointed), default=0)
+
+
+def _describe(pieces: tuple[Segment, ...], indent: str) -> list[str]:
+    lines = []
+    for p in pieces:
+        kind = "checkpointed" if p.checkpointed else "plain"
+        lines.append(f"{indent}[{p.start}, {p.stop}) {kind} ({p.stop - p.start} layers)")
+        lines.extend(_describe(p.inner, indent + "  "))
+    return lines
+
+
+def even_plan(num_layers: int, segments: int) -> SequentialPlan:
+    """``segments`` pieces of (nearly) equal length; all but the last checkpointed
+    (the last one's replay would start right away: it would save nothing)."""
+    bounds = [round(i * num_layers / segments) for i in range(segments + 1)]
+    pieces = tuple(Segment(bounds[i], bounds[i + 1], i < segments - 1)
+                   for i in range(segments))
+    return SequentialPlan(num_layers=num_layers, pieces=pieces)
