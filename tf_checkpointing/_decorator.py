@@ -285,4 +285,6 @@ class CheckpointedLayer(wrapt.ObjectProxy):
 
 def _is_symbolic(args: tuple, kwargs: dict) -> bool:
     """A call on KerasTensors: Keras is building a functional graph."""
+    if args and isinstance(args[0], tf.Tensor):
+        return False  # the common case, decided without flattening the arguments
     return any(isinstance(t, keras.KerasTensor) for t in keras.tree.flatten((args, kwargs)))

@@ -200,7 +200,7 @@ class _Replay:
                 targets, inputs + differentiable_vars, output_gradients=target_grads
             ) if targets else [None] * (len(inputs) + len(differentiable_vars))
         input_grads = list(grads[: len(inputs)])
-        variable_grads = _after_replay(grads[len(inputs):], targets)
+        variable_grads = _after_replay(grads[len(inputs):], grads)
         by_variable = {id(v): g for v, g in zip(differentiable_vars, variable_grads)}
         if not variables:
             return input_grads
@@ -239,19 +239,24 @@ def _signature(out: Any) -> Any:
     return tf.nest.map_structure(describe, out)
 
 
-def _after_replay(grads: Sequence[Any], outputs: list[tf.Tensor]) -> list[Any]:
-    """Variable gradients that depend, by data, on the replay's outputs, so an
-    optimizer step cannot update a variable before the replay has read it.
+def _after_replay(variable_grads: Sequence[Any], all_grads: Sequence[Any]) -> list[Any]:
+    """Variable gradients that depend, by data, on every gradient the replay
+    computed, so an optimizer step cannot update a variable before the replay
+    has read it.
 
     In a graph, a Dense kernel's gradient does not need the kernel's value, so
     only a control edge (automatic control dependencies) orders the replay's read
     of the kernel before the optimizer's in-place update; Grappler's dependency
-    optimizer drops that edge, and the replay then sometimes reads the updated
-    kernel: wrong gradients for every layer below. (XLA reads all variables
-    before any update; eager runs in order.)"""
-    if tf.executing_eagerly() or not outputs:
-        return list(grads)
-    probes = [tf.cast(tf.reshape(t, [-1])[:1], tf.float32) for t in outputs]
+    optimizer drops that edge, and the replay then sometimes read the updated
+    kernel: wrong gradients for every layer below. Every read that matters feeds
+    some gradient, so waiting for all of them restores the order. The probe is
+    one element per gradient (gradients are alive anyway), not the replay's
+    outputs, which would keep activations alive. (Eager runs in order.)"""
+    present = [g.values if isinstance(g, tf.IndexedSlices) else g
+               for g in all_grads if g is not None]
+    if tf.executing_eagerly() or not present:
+        return list(variable_grads)
+    probes = [tf.cast(tf.reshape(g, [-1])[:1], tf.float32) for g in present]
     as_bool = tf.cast(tf.reduce_max(tf.concat(probes, 0)), tf.bool)
     # Always zero (a bool equals itself), but no optimizer can prove it.
     zero = tf.where(tf.equal(as_bool, as_bool), 0.0, float("nan"))
@@ -262,7 +267,7 @@ def _after_replay(grads: Sequence[Any], outputs: list[tf.Tensor]) -> list[Any]:
             return tf.IndexedSlices(values, grad.indices, grad.dense_shape)
         return None if grad is None else grad + tf.cast(zero, grad.dtype)
 
-    return [ordered(grad) for grad in grads]
+    return [ordered(grad) for grad in variable_grads]
 
 
 def _fresh_copies(inputs: list[tf.Tensor], output_grads: Sequence[Any]) -> list[tf.Tensor]:
