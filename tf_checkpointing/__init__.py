@@ -10,6 +10,7 @@ gives exact gradients.
 from tf_checkpointing._decorator import checkpointable
 from tf_checkpointing._flags import is_checkpointing, is_recomputing
 from tf_checkpointing._keras import apply_checkpointing
+from tf_checkpointing._memory import MemoryStats, measure, peak_memory
 from tf_checkpointing._plan import Segment, SequentialPlan
 from tf_checkpointing._planner import plan_sequential
 from tf_checkpointing._sequential import CheckpointedSequential, checkpoint_sequential
@@ -18,6 +19,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointedSequential",
+    "MemoryStats",
     "Segment",
     "SequentialPlan",
     "apply_checkpointing",
@@ -25,5 +27,7 @@ __all__ = [
     "checkpointable",
     "is_checkpointing",
     "is_recomputing",
+    "measure",
+    "peak_memory",
     "plan_sequential",
 ]

@@ -1,0 +1,154 @@
+"""The checkpointing strategies compared, each as "how to run the chain of blocks".
+
+    plain            no checkpointing
+    recompute_grad   `tf.recompute_grad` around each block
+    keras_remat      `keras.remat` around each block (on the TF backend: tf.recompute_grad)
+    checkpointable   `tf_checkpointing.checkpointable(block, checkpoint=True)` per block
+    sqrt_segments    `tf_checkpointing.checkpoint_sequential(blocks, x, segments="sqrt")`
+    budget_plan      `tf_checkpointing.CheckpointedSequential(blocks, budget=...)`, the
+                     budget a fraction of plain's measured peak (default 1/3)
+
+`tf.recompute_grad` accepts keyword arguments only in eager mode, so for the two
+peers `training=True` is closed over and the state's tensors are passed positionally:
+their best use, not a strawman. The last two strategies need the issue-4 API; where
+`tf_checkpointing` does not export it yet, `unavailable_reason` says so and the run
+skips them. A chain may carry a `note` (the budget plan describes its schedule).
+
+Example:
+    >>> import keras, tensorflow as tf
+    >>> chain = STRATEGIES["recompute_grad"].build([keras.layers.Dense(4)], {})
+    >>> chain(tf.ones([2, 3])).shape
+    TensorShape([2, 4])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional
+
+import keras
+import tensorflow as tf
+
+Chain = Callable[[Any], Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    """A named way of running blocks; `build(blocks, options)` returns state -> state."""
+
+    name: str
+    description: str
+    build: Callable[[list, dict], Chain]
+    needs: Optional[str] = None  # attribute of tf_checkpointing this strategy needs
+
+    def unavailable_reason(self) -> Optional[str]:
+        if self.needs is None:
+            return None
+        import tf_checkpointing
+
+        if hasattr(tf_checkpointing, self.needs):
+            return None
+        return f"tf_checkpointing.{self.needs} is not exported (issue 4)"
+
+
+def _plain(blocks: list, options: dict) -> Chain:
+    def chain(state: Any) -> Any:
+        for block in blocks:
+            state = block(state, training=True)
+        return state
+
+    return chain
+
+
+def _per_block_peer(wrap: Callable[[Callable], Callable]) -> Callable[[list, dict], Chain]:
+    """Wraps each block as `wrap(f)` with `f(*state_tensors)`: the peers' calling form."""
+
+    def build(blocks: list, options: dict) -> Chain:
+        tuple_state = options.get("tuple_state", False)
+
+        def positional(block: Any) -> Callable[..., Any]:
+            def f(*leaves: tf.Tensor) -> Any:
+                out = block(tuple(leaves) if tuple_state else leaves[0], training=True)
+                return list(out) if tuple_state else out
+
+            return f
+
+        wrapped = [wrap(positional(block)) for block in blocks]
+
+        def chain(state: Any) -> Any:
+            for fn in wrapped:
+                state = tuple(fn(*state)) if tuple_state else fn(state)
+            return state
+
+        return chain
+
+    return build
+
+
+def _checkpointable(blocks: list, options: dict) -> Chain:
+    from tf_checkpointing import checkpointable
+
+    wrapped = [checkpointable(block, checkpoint=True) for block in blocks]
+    return _plain(wrapped, options)
+
+
+def _sqrt_segments(blocks: list, options: dict) -> Chain:
+    import tf_checkpointing
+
+    checkpoint_sequential = getattr(tf_checkpointing, "checkpoint_sequential")  # noqa: B009
+
+    def chain(state: Any) -> Any:
+        return checkpoint_sequential(blocks, state, segments="sqrt", training=True)
+
+    return chain
+
+
+def _budget_plan(blocks: list, options: dict) -> Chain:
+    """`CheckpointedSequential(blocks, budget=...)`, planned now on the base batch.
+
+    The layer form plans once, on its first call with fully known shapes, and keeps
+    the plan for other batch sizes; `checkpoint_sequential(budget=...)` re-plans per
+    input shape and cannot plan inside a tf.function traced with an unknown batch size.
+    A budget below the least any schedule needs is raised to that least (said in the
+    note), so the row still shows what the planner can do.
+    """
+    import tf_checkpointing
+
+    layer_class = getattr(tf_checkpointing, "CheckpointedSequential")  # noqa: B009
+
+    def planned(budget: int) -> Any:
+        sequential = layer_class(blocks, budget=budget)
+        with tf.GradientTape():  # it plans on its first call that can be differentiated
+            sequential(options["sample_state"], training=True)  # profiles, plans: eagerly
+        return sequential
+
+    wanted = options["plan_budget_bytes"]
+    least = planned(2**50).plan.min_budget_bytes or 0
+    sequential = planned(max(wanted, least))
+    plan = sequential.plan
+
+    def chain(state: Any) -> Any:
+        return sequential(state, training=True)
+
+    raised = f" (asked {wanted / 2**20:.1f} MiB: below the planner's least)" \
+        if least > wanted else ""
+    pieces = " ".join(f"[{a},{b}){'*' if c else ''}"
+                      for (a, b), c in zip(plan.segments, plan.checkpointed))
+    chain.note = (  # type: ignore[attr-defined]
+        f"plan for {plan.budget_bytes / 2**20:.1f} MiB{raised}: {pieces} (* checkpointed), "
+        f"{plan.extra_forward_layers} extra block forwards, predicted peak "
+        f"{(plan.predicted_peak_bytes or 0) / 2**20:.1f} MiB")
+    return chain
+
+
+STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
+    Strategy("plain", "no checkpointing", _plain),
+    Strategy("recompute_grad", "tf.recompute_grad per block",
+             _per_block_peer(tf.recompute_grad)),
+    Strategy("keras_remat", "keras.remat per block", _per_block_peer(keras.remat)),
+    Strategy("checkpointable", "tf_checkpointing.checkpointable per block", _checkpointable),
+    Strategy("sqrt_segments", "checkpoint_sequential(segments='sqrt')", _sqrt_segments,
+             needs="checkpoint_sequential"),
+    Strategy("budget_plan", "CheckpointedSequential(budget=...)", _budget_plan,
+             needs="CheckpointedSequential"),
+)}

@@ -1,0 +1,99 @@
+"""The benchmarks run end to end on toy shapes and write what they promise.
+
+Each runs as a subprocess, as a user would run it: `python benchmarks/run.py --tiny`
+and `python benchmarks/core.py` with a small chain, into a temporary directory.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _run(script, *args, timeout=240):
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPU_ALLOCATOR_USE_BFC"}
+    env["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    return subprocess.run([sys.executable, str(REPO / "benchmarks" / script), *args],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    done = _run("run.py", "--tiny", "--out", str(out))
+    assert done.returncode == 0, done.stderr[-4000:]
+    return out, done.stdout, json.loads((out / "tiny.json").read_text())
+
+
+@pytest.mark.slow
+def test_tiny_run_writes_table_json_and_png(tiny_run):
+    out, stdout, payload = tiny_run
+    table = (out / "tiny.md").read_text()
+    assert "| model | mode | strategy | peak MiB |" in table
+    assert "### Targets (gpt2, function)" in table
+    assert table.strip() in stdout  # the same table on stdout
+    assert "Total time" in stdout
+    assert (out / "tiny.png").read_bytes()[:8] == PNG_MAGIC
+
+
+@pytest.mark.slow
+def test_tiny_run_measures_every_model_and_strategy(tiny_run):
+    _, _, payload = tiny_run
+    results = payload["results"]
+    assert {r["model"] for r in results} == {"mlp", "gpt2", "unet"}
+    assert {r["mode"] for r in results} == {"eager", "function", "xla"}
+    assert payload["environment"]["TF_CPU_ALLOCATOR_USE_BFC"] == "true"
+    for r in results:
+        if r["strategy"] in ("sqrt_segments", "budget_plan") and r["status"] == "skipped":
+            assert "not exported" in r["note"]
+            continue
+        assert r["status"] == "ok", r
+        assert r["peak_bytes"] > 0 and len(r["step_times_s"]) >= 3
+        assert r["memory_ratio"] > 0 and r["time_ratio"] > 0
+        if r["strategy"] == "plain":
+            assert r["grad_error"] == 0.0 and r["memory_ratio"] == 1.0
+
+
+@pytest.mark.slow
+def test_tiny_run_shows_the_defects_it_is_meant_to_show(tiny_run):
+    _, _, payload = tiny_run
+    rows = {(r["model"], r["mode"], r["strategy"]): r for r in payload["results"]}
+    # Dropout in the decoder: tf.recompute_grad replays another mask, we do not.
+    assert rows["gpt2", "function", "recompute_grad"]["grad_error"] > 0.1
+    assert rows["gpt2", "function", "checkpointable"]["grad_error"] <= 1e-5
+    # BatchNorm in the U-Net: tf.recompute_grad updates the statistics twice.
+    assert rows["unet", "function", "recompute_grad"]["state_error"] > 0.5
+    assert rows["unet", "function", "checkpointable"]["state_error"] <= 1e-5
+    targets = payload["targets"]
+    assert {t["target"] for t in targets} == {"peak memory", "step time", "gradients",
+                                              "largest batch"}
+
+
+@pytest.mark.slow
+def test_filters_and_unknown_names():
+    done = _run("run.py", "--tiny", "--models", "nope")
+    assert done.returncode == 2
+    assert "expected a comma-separated subset of mlp,gpt2,unet" in done.stderr
+    assert "'nope'" in done.stderr
+
+
+@pytest.mark.slow
+def test_core_benchmark_smoke(tmp_path):
+    done = _run("core.py", "--layers", "3", "--width", "32", "--batch", "64", "--modes",
+                "eager,function", "--repeats", "2", "--overhead-samples", "3",
+                "--out", str(tmp_path))
+    assert done.returncode == 0, done.stderr[-4000:]
+    payload = json.loads((tmp_path / "core.json").read_text())
+    assert [t["target"] for t in payload["targets"]] == [
+        "peak memory (eager)", "peak memory (function)", "step time (function)",
+        "no-tape call overhead"]
+    assert {r["strategy"] for r in payload["results"]} == {
+        "plain", "recompute_grad", "checkpointable"}
+    assert "### Targets" in (tmp_path / "core.md").read_text()
+    assert "No-tape call of Dense(64)" in done.stdout

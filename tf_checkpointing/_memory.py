@@ -1,0 +1,225 @@
+"""Measure the peak memory of a function: the number that shows what checkpointing saves.
+
+Users of `tf.recompute_grad` and `keras.remat` keep asking how to see the memory a
+training step needs at all (TF #36981, #57205, #38766). TensorFlow has the numbers,
+in the allocator of each device, behind two experimental calls:
+`tf.config.experimental.reset_memory_stats(device)` and
+`tf.config.experimental.get_memory_info(device)`. This module wraps them into one
+call that runs a function and returns the peak bytes it allocated above the level
+the device was at when it started.
+
+On CPU the numbers are only complete with TensorFlow's BFC allocator, which is
+chosen once, when TensorFlow starts, from the environment variable
+`TF_CPU_ALLOCATOR_USE_BFC`. Without it, TensorFlow either raises "Memory statistics
+not tracked" (older releases) or, measured on TF 2.21, tracks large allocations
+only (a 160 KB tensor is not counted, a 256 KiB one is). So set it before the
+first `import tensorflow`:
+
+    import os
+    os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"   # before importing TensorFlow
+    import tensorflow as tf
+
+or from the shell: `TF_CPU_ALLOCATOR_USE_BFC=true python train.py`.
+
+Example:
+    >>> import tensorflow as tf
+    >>> from tf_checkpointing._memory import peak_memory
+    >>> def step():
+    ...     x = tf.random.uniform([1024, 1024])      # 4 MiB
+    ...     return tf.reduce_sum(x * 2.0)            # and 4 MiB more for x * 2
+    >>> 8 * 2**20 <= peak_memory(step) < 9 * 2**20
+    True
+
+Measurements nest: a `measure` inside another one resets the device's statistics,
+but the enclosing measurement still reports the highest level it saw. They are not
+thread-safe: two threads measuring the same device see each other's allocations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from typing import Any, Callable, Generic, Optional, TypeVar
+
+import tensorflow as tf
+
+__all__ = ["MemoryStats", "default_memory_device", "measure", "peak_memory"]
+
+T = TypeVar("T")
+
+_ENV_VAR = "TF_CPU_ALLOCATOR_USE_BFC"
+_HOW_TO_ENABLE = (
+    f"set {_ENV_VAR}=true in the environment before TensorFlow is imported: either "
+    f'`os.environ["{_ENV_VAR}"] = "true"` as the first lines of your script (before '
+    f"`import tensorflow`), or from the shell `{_ENV_VAR}=true python train.py`"
+)
+
+# For each measurement in progress: [device, highest absolute peak seen before a nested
+# measurement reset the device's statistics].
+_open_measurements: list[list[Any]] = []
+_warned_partial_cpu_stats = False
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryStats(Generic[T]):
+    """What `measure` saw while a function ran.
+
+    Attributes:
+        peak_bytes: highest allocator level during the call, minus `start_bytes`.
+        start_bytes: bytes already allocated on the device when the call started
+            (weights, inputs, anything alive).
+        device: the device that was measured, e.g. "CPU:0".
+        result: what the function returned.
+    """
+
+    peak_bytes: int
+    start_bytes: int
+    device: str
+    result: T
+
+    @property
+    def peak_mib(self) -> float:
+        """`peak_bytes` in MiB."""
+        return self.peak_bytes / 2**20
+
+
+def default_memory_device() -> str:
+    """Returns the device `measure` uses by default: the first GPU if any, else "CPU:0".
+
+    Example:
+        >>> default_memory_device() in ("GPU:0", "CPU:0")
+        True
+    """
+    return "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
+
+
+def measure(fn: Callable[..., T], *args: Any, device: Optional[str] = None,
+            **kwargs: Any) -> MemoryStats[T]:
+    """Runs `fn(*args, **kwargs)` and returns its peak memory together with its result.
+
+    Args:
+        fn: the function to run, e.g. one training step.
+        *args: positional arguments for `fn`.
+        device: the device whose allocator is read, e.g. "GPU:0" or "CPU:0".
+            Default: the first GPU if there is one, else "CPU:0".
+        **kwargs: keyword arguments for `fn`.
+
+    Returns:
+        A `MemoryStats` with `peak_bytes`, `start_bytes`, `device` and `result`.
+
+    Raises:
+        ValueError: `device` does not name exactly one device of this process.
+        RuntimeError: the device's allocator keeps no statistics (on CPU: TensorFlow
+            was started without `TF_CPU_ALLOCATOR_USE_BFC=true`).
+
+    Example:
+        >>> stats = measure(lambda n: tf.reduce_sum(tf.random.uniform([n, 1024])), 1024)
+        >>> stats.peak_bytes >= 4 * 2**20, float(stats.result) > 0.0
+        (True, True)
+    """
+    device = default_memory_device() if device is None else device
+    if not isinstance(device, str):
+        raise TypeError(
+            f"Invalid value received for argument `device`: expected a device string "
+            f'such as "GPU:0" or "CPU:0", received {device!r} of type '
+            f"{type(device).__name__}. Pass the device as a string.")
+    _warn_if_cpu_stats_are_partial(device)
+    before = _memory_info(device)
+    for entry in _open_measurements:   # keep the enclosing measurements' peaks
+        if entry[0] == device:
+            entry[1] = max(entry[1], before["peak"])
+    tf.config.experimental.reset_memory_stats(device)
+    start = _memory_info(device)["current"]
+    entry = [device, 0]
+    _open_measurements.append(entry)
+    try:
+        result = fn(*args, **kwargs)
+    finally:
+        _open_measurements.remove(entry)
+    after = _memory_info(device)
+    peak = max(after["peak"], entry[1])
+    if peak == 0 and after["current"] == 0 and not _stats_are_live(device):
+        raise RuntimeError(_unavailable_message(device, "it reports 0 bytes in use"))
+    return MemoryStats(peak_bytes=max(0, peak - start), start_bytes=start, device=device,
+                       result=result)
+
+
+def peak_memory(fn: Callable[..., Any], *args: Any, device: Optional[str] = None,
+                **kwargs: Any) -> int:
+    """Returns the peak bytes allocated above the starting level while `fn` runs.
+
+    The same as `measure(fn, *args, device=device, **kwargs).peak_bytes`.
+
+    Args:
+        fn: the function to run, e.g. one training step.
+        *args: positional arguments for `fn`.
+        device: the device to read, e.g. "GPU:0"; default: first GPU, else "CPU:0".
+        **kwargs: keyword arguments for `fn`.
+
+    Returns:
+        Peak bytes above the level at the start of the call.
+
+    Raises:
+        ValueError: `device` does not name exactly one device of this process.
+        RuntimeError: the allocator keeps no statistics; the message says how to
+            enable them.
+
+    Example:
+        >>> peak_memory(lambda: tf.reduce_sum(tf.zeros([1024, 1024]) + 1.0)) >= 4 * 2**20
+        True
+    """
+    return measure(fn, *args, device=device, **kwargs).peak_bytes
+
+
+def _memory_info(device: str) -> dict[str, int]:
+    try:
+        info = tf.config.experimental.get_memory_info(device)
+    except ValueError as error:
+        text = str(error)
+        if "not tracked" in text or "statistics" in text.lower():
+            raise RuntimeError(_unavailable_message(device, text)) from error
+        devices = [d.name.replace("/device:", "") for d in tf.config.list_logical_devices()]
+        raise ValueError(
+            f"Invalid value received for argument `device`: expected the name of one "
+            f"device of this process, such as {', '.join(map(repr, devices))}; received "
+            f"{device!r} (TensorFlow said: {text}). Pass one of the names listed, or "
+            f"leave `device=None` for the first GPU, else CPU:0.") from error
+    return {"current": int(info["current"]), "peak": int(info["peak"])}
+
+
+def _stats_are_live(device: str) -> bool:
+    """Whether the allocator counts at all: allocates a 1 MiB probe and looks."""
+    with tf.device(device):
+        probe = tf.random.uniform([256, 1024])
+    live = _memory_info(device)["current"] > 0
+    del probe
+    return live
+
+
+def _unavailable_message(device: str, reason: str) -> str:
+    message = (f"Memory statistics are not available for device {device!r} "
+               f"(TensorFlow: {reason}).")
+    if "CPU" in device.upper():
+        state = os.environ.get(_ENV_VAR)
+        message += (
+            f" TensorFlow only tracks CPU memory with its BFC allocator, which is chosen "
+            f"when TensorFlow starts. To enable it, {_HOW_TO_ENABLE}.")
+        if state is not None:
+            message += (f" ({_ENV_VAR}={state!r} is set in this process now, but it "
+                        f"must be 'true' before TensorFlow is imported.)")
+    return message
+
+
+def _warn_if_cpu_stats_are_partial(device: str) -> None:
+    global _warned_partial_cpu_stats
+    if _warned_partial_cpu_stats or "CPU" not in device.upper():
+        return
+    if os.environ.get(_ENV_VAR, "").lower() in ("1", "true"):
+        return
+    _warned_partial_cpu_stats = True
+    warnings.warn(
+        f"Measuring CPU memory without {_ENV_VAR}=true: TensorFlow's default CPU "
+        f"allocator does not count small allocations (measured on TF 2.21: a 160 KB "
+        f"tensor is not counted), so peaks are too low. To count every allocation, "
+        f"{_HOW_TO_ENABLE}.", UserWarning, stacklevel=3)
