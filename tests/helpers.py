@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import keras
 import numpy as np
 import tensorflow as tf
 from conftest import compile_step
+
+from tf_checkpointing import checkpointable
 
 
 def grads_of(fn, inputs, variables, mode, **call_kwargs):
@@ -46,3 +49,17 @@ class Counter:
     def __call__(self, *args, **kwargs):
         self.calls += 1
         return self.fn(*args, **kwargs)
+
+
+class BlockNet(keras.Model):
+    """A subclassed model, Dense -> block -> Dense, whose block is a
+    ``checkpointable(layer)`` proxy when ``checkpoint`` is true."""
+
+    def __init__(self, block, checkpoint=False, **kwargs):
+        super().__init__(**kwargs)
+        self.pre = keras.layers.Dense(8, name="pre")
+        self.block = checkpointable(block, checkpoint=True) if checkpoint else block
+        self.head = keras.layers.Dense(1, name="head")
+
+    def call(self, x, training=None):
+        return self.head(self.block(self.pre(x), training=training))

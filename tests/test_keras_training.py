@@ -12,6 +12,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from helpers import BlockNet
 
 from tf_checkpointing import apply_checkpointing, checkpointable, is_recomputing
 
@@ -41,21 +42,9 @@ class Block(keras.layers.Layer):
         return self.outer(self.norm(h, training=training)) + x
 
 
-class Net(keras.Model):
-    def __init__(self, checkpoint=False, **kwargs):
-        super().__init__(**kwargs)
-        self.pre = keras.layers.Dense(8, name="pre")
-        block = Block(name="block")
-        self.block = checkpointable(block, checkpoint=True) if checkpoint else block
-        self.head = keras.layers.Dense(1, name="head")
-
-    def call(self, x, training=None):
-        return self.head(self.block(self.pre(x), training=training))
-
-
 def subclassed(checkpoint):
     """checkpointable(layer) proxy inside a subclassed model."""
-    model = Net(checkpoint=checkpoint, name="net")
+    model = BlockNet(Block(name="block"), checkpoint=checkpoint, name="net")
     model(np.zeros((1, 8), "float32"))
     return model
 

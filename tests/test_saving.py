@@ -17,6 +17,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from helpers import BlockNet
 
 from tf_checkpointing import apply_checkpointing, checkpointable, is_recomputing
 
@@ -161,20 +162,6 @@ def test_saved_model_serves_the_same_predictions(tmp_path, how):
     np.testing.assert_allclose(exported.serve(data()).numpy(), expected, rtol=1e-6, atol=1e-6)
 
 
-class Net(keras.Model):
-    """A subclassed model whose block may be a checkpointable(layer) proxy."""
-
-    def __init__(self, checkpoint=False, **kwargs):
-        super().__init__(**kwargs)
-        self.pre = keras.layers.Dense(8, name="pre")
-        block = PlainBlock(name="block")
-        self.block = checkpointable(block, checkpoint=True) if checkpoint else block
-        self.head = keras.layers.Dense(1, name="head")
-
-    def call(self, x, training=None):
-        return self.head(self.block(self.pre(x), training=training))
-
-
 def _functional_applied():
     model = functional()
     apply_checkpointing(model, ["block"])
@@ -183,7 +170,8 @@ def _functional_applied():
 
 @pytest.mark.parametrize("pair", [
     (_functional_applied, functional),
-    (lambda: Net(checkpoint=True), lambda: Net(checkpoint=False)),
+    (lambda: BlockNet(PlainBlock(name="block"), checkpoint=True),
+     lambda: BlockNet(PlainBlock(name="block"), checkpoint=False)),
 ], ids=["apply_checkpointing", "checkpointable_proxy"])
 def test_tf_train_checkpoint_restores_across_checkpointing(tmp_path, pair):
     make_checkpointed, make_plain = pair
