@@ -255,32 +255,3 @@ class TestCheckMode:
     def test_bad_check_value(self):
         with pytest.raises(TypeError, match=r"`check` must be False, True .*received 'yes'"):
             checkpointable(lambda x: x, check="yes")
-
-
-@pytest.mark.parametrize("mode", ["function", "xla"])
-def test_graph_replay_reuses_the_forward_dropout_masks(mode, monkeypatch):
-    from tf_checkpointing import _masks
-
-    reuses = []
-    original = _masks.MaskReuse.replaying
-
-    def spy(self):
-        reuses.append(self)
-        return original(self)
-
-    monkeypatch.setattr(_masks.MaskReuse, "replaying", spy)
-    dropout = keras.layers.Dropout(0.5, seed=1)
-    attention = keras.layers.MultiHeadAttention(2, 4, dropout=0.2, seed=3)
-    body = lambda x: dropout(attention(x, x, training=True), training=True)  # noqa: E731
-    twin_dropout = keras.layers.Dropout(0.5, seed=1)
-    twin_attention = keras.layers.MultiHeadAttention(2, 4, dropout=0.2, seed=3)
-    twin = lambda x: twin_dropout(twin_attention(x, x, training=True), training=True)  # noqa: E731
-    x = tf.random.stateless_normal([2, 8, 8], seed=[5, 5])
-    twin(x), body(x)  # build both
-    twin_attention.set_weights(attention.get_weights())
-    plain = grads_of(twin, [x], twin_attention.trainable_variables, mode)
-    ours = grads_of(checkpointable(body, checkpoint=True), [x],
-                    attention.trainable_variables, mode)
-    assert_all_close(ours, plain)
-    # Both masks (the attention weights' and the output's) came from the forward.
-    assert [(r._next, len(r._masks)) for r in reuses] == [(2, 2)]

@@ -36,7 +36,6 @@ from tf_checkpointing import _keras_context, _seeding
 from tf_checkpointing._captures import CaptureGuard
 from tf_checkpointing._control_flow import CaptureMap
 from tf_checkpointing._flags import checkpoint_scope, is_recomputing
-from tf_checkpointing._masks import MaskReuse
 from tf_checkpointing._state import StateRecorder, replayed_state
 
 __all__: list[str] = []
@@ -134,7 +133,6 @@ class _Replay:
         self.keras_context = _keras_context.capture()
         self.recorder = StateRecorder()
         self.captures = CaptureMap()
-        self.masks = MaskReuse()
         self.out_positions: list[int] = []
         self.out_signature: Any = None
         self.out_values: Optional[list[tf.Tensor]] = None
@@ -156,8 +154,7 @@ class _Replay:
         # Inside an enclosing checkpoint's replay, this forward is part of a replay.
         with checkpoint_scope(recomputing=is_recomputing()), self.recorder:
             try:
-                with record.stop_recording(), guard, self.captures.recording(), \
-                        self.masks.recording(), self._seeded():
+                with record.stop_recording(), guard, self.captures.recording(), self._seeded():
                     for variable in self.watch_vars:
                         tape_lib.variable_accessed(variable)  # into the custom gradient's list
                     out = self._call(inputs)
@@ -185,7 +182,6 @@ class _Replay:
             scopes.enter_context(_keras_context.restored(self.keras_context))
             scopes.enter_context(replayed_state(self.recorder))
             scopes.enter_context(self._seeded())
-            scopes.enter_context(self.masks.replaying())
             scopes.enter_context(_refuse_new_variables(self.name))
             inputs = _fresh_copies(inputs, output_grads)
             with tf.GradientTape(watch_accessed_variables=False) as tape:
