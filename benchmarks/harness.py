@@ -146,7 +146,7 @@ def run_group(workload: Workload, mode: str, strategy_names: list[str], *, repea
     results = {n: RunResult(workload.name, mode, n) for n in names}
     initial_state = [v.numpy() for v in workload.state_variables]
     inputs = workload.make_batch(workload.batch)
-    base_options = _options(workload)
+    base_options = _options(workload, mode)
     steps: dict[str, Callable] = {}
     reference: dict[str, Any] = {}
     for name in names:
@@ -183,11 +183,12 @@ def run_group(workload: Workload, mode: str, strategy_names: list[str], *, repea
     return results
 
 
-def _options(workload: Workload) -> dict[str, Any]:
-    """What strategies may need: the chain's input at the base batch (eager)."""
+def _options(workload: Workload, mode: str) -> dict[str, Any]:
+    """What strategies may need: the chain's input at the base batch (eager), and
+    the mode the step runs in (the budget plan is made for it)."""
     inputs, _ = workload.make_batch(workload.batch)
     sample = workload.stem(inputs, training=True)
-    return {"tuple_state": isinstance(sample, tuple), "sample_state": sample}
+    return {"tuple_state": isinstance(sample, tuple), "sample_state": sample, "mode": mode}
 
 
 def _check_step(workload: Workload, step: Callable, inputs: tuple, initial_state: list,

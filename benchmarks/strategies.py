@@ -106,6 +106,8 @@ def _sqrt_segments(blocks: list, options: dict) -> Chain:
 def _budget_plan(blocks: list, options: dict) -> Chain:
     """`CheckpointedSequential(blocks, budget=...)`, planned now on the base batch.
 
+    It is planned for the mode the step runs in (its first call is traced in a
+    tf.function for "function" and "xla", so it plans for what a graph keeps).
     The layer form plans once, on its first call with fully known shapes, and keeps
     the plan for other batch sizes; `checkpoint_sequential(budget=...)` re-plans per
     input shape and cannot plan inside a tf.function traced with an unknown batch size.
@@ -118,8 +120,15 @@ def _budget_plan(blocks: list, options: dict) -> Chain:
 
     def planned(budget: int) -> Any:
         sequential = layer_class(blocks, budget=budget)
-        with tf.GradientTape():  # it plans on its first call that can be differentiated
-            sequential(options["sample_state"], training=True)  # profiles, plans: eagerly
+
+        def first_call(state: Any) -> Any:
+            with tf.GradientTape():  # it plans on its first call that can be differentiated
+                return sequential(state, training=True)
+
+        if options.get("mode", "eager") != "eager":
+            # Planned while a tf.function is traced: for what a graph keeps.
+            first_call = tf.function(first_call, autograph=False)
+        first_call(options["sample_state"])
         return sequential
 
     wanted = options["plan_budget_bytes"]

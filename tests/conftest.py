@@ -24,3 +24,14 @@ def compile_step(step, mode):
 @pytest.fixture(params=MODES)
 def mode(request):
     return request.param
+
+
+@pytest.fixture(autouse=True)
+def _forget_planned_chains():
+    """The planner caches profiles with their layers; dropping them after each test
+    keeps one test's weights from pinning allocator blocks under the next test's
+    memory measurements."""
+    yield
+    from tf_checkpointing import _planner
+
+    _planner._profiles.clear()

@@ -241,8 +241,9 @@ def test_trains_in_fit_exactly_like_keras_sequential(options):
     if options == "budget":  # the least memory: recomputes the most
         layers = _stack(seed=1)
         keras.Sequential(layers).build((None, 6))
-        # Profiled here; fit's trace then finds the profile (same layers, shapes, keywords).
-        probe = plan_sequential(layers, x[:16], budget=2**40, training=True)
+        # Profiled here for a graph, as fit runs the step; fit's trace then finds the
+        # profile (same layers, shapes, keywords and mode).
+        probe = plan_sequential(layers, x[:16], budget=2**40, mode="graph", training=True)
         body = CheckpointedSequential(layers, budget=probe.min_budget_bytes, name="body")
     else:
         body = CheckpointedSequential(_stack(seed=1), segments=3, name="body")

@@ -29,13 +29,15 @@ up, so a plan never exceeds its budget in the model); a second program finds
 the least memory any schedule needs, which the error for a budget below it
 reports.
 
-The memory model is eager backprop's, as profiled, including what our replay
-holds on top (the incoming gradient, the forward's output, the weight
-gradients of later layers). Measured on a 64-layer chain it predicts eager
-peaks within 5% (a fragmented allocator adds up to ~20%, so plans keep 10%
-of the budget free); under ``tf.function`` the same plans peak at or below
-the prediction, since the graph frees tensors sooner. XLA assigns buffers its
-own way and is not modelled.
+The memory model is the one the step runs in, as profiled: eager backprop's,
+or a ``tf.function``'s (``mode="graph"``; a graph keeps fewer intermediates,
+so the same budget leaves more layers plain), including what our replay holds
+on top (the incoming gradient, the weight gradients of later layers, and in
+eager mode the forward's output, which the custom gradient's tape entry
+holds). Measured on a 64-layer chain (``benchmarks/sequential.py``) it
+predicts peaks within 10% in eager mode and 5% under ``tf.function`` (a
+fragmented allocator adds up to ~20%, so plans keep 10% of the budget free).
+XLA assigns buffers its own way and is planned as a graph.
 """
 
 from __future__ import annotations
@@ -67,7 +69,10 @@ _CACHE_SIZE = 16
 _profiles: collections.OrderedDict = collections.OrderedDict()
 
 
-def plan_sequential(layers: Any, inputs: Any, *, budget: float,
+_MODES = ("auto", "eager", "graph")
+
+
+def plan_sequential(layers: Any, inputs: Any, *, budget: float, mode: str = "auto",
                     **kwargs: Any) -> SequentialPlan:
     """Plans the checkpoints of a chain of layers for a memory budget.
 
@@ -84,6 +89,12 @@ def plan_sequential(layers: Any, inputs: Any, *, budget: float,
         budget: bytes the training step may allocate on top of what is allocated
             before it (weights, inputs): activations, stored checkpoints,
             gradients.
+        mode: how the training step runs, which decides what backprop keeps:
+            ``"eager"``; ``"graph"`` for a ``tf.function`` (``Model.fit``
+            included), whose graph keeps fewer intermediates, so the same budget
+            leaves more layers un-checkpointed; ``"auto"`` (the default):
+            ``"graph"`` when called while a ``tf.function`` is being traced,
+            else ``"eager"``. XLA is planned as ``"graph"``.
         **kwargs: keywords for the layers, e.g. ``training=True``; each layer gets
             those its call accepts, as in :func:`checkpoint_sequential`.
 
@@ -110,26 +121,34 @@ def plan_sequential(layers: Any, inputs: Any, *, budget: float,
     """
     layers = validate_layers(layers, _API)
     budget = _expect_budget(budget, _API)
+    if mode not in _MODES:
+        raise ValueError(
+            f"{_API}: argument `mode` must be one of {', '.join(map(repr, _MODES))}; "
+            f"received mode={mode!r}. Pass mode='graph' when the training step is a "
+            "tf.function (or Model.fit), mode='eager' when it runs eagerly."
+        )
     return cached_plan(layers, inputs, budget, kwargs, route_keywords(layers, kwargs, _API),
-                       api=_API)
+                       api=_API, mode=mode)
 
 
 def cached_plan(layers: list[Any], inputs: Any, budget: int, kwargs: dict[str, Any],
-                routed: list[dict], *, api: str) -> SequentialPlan:
+                routed: list[dict], *, api: str, mode: str = "auto") -> SequentialPlan:
     """The plan for ``budget``, profiling the chain only the first time it is
-    seen with these input shapes and keywords (the last 16 chains are kept)."""
+    seen with these input shapes, keywords and mode (the last 16 chains are
+    kept). ``mode="auto"`` plans for a graph while a ``tf.function`` is traced."""
+    compiled = mode == "graph" or (mode == "auto" and tf.inside_function())
     signature = tuple((tuple(leaf.shape), leaf.dtype.name) if hasattr(leaf, "dtype")
                       else _hashable(leaf) for leaf in tf.nest.flatten(inputs))
     key = (tuple(id(layer) for layer in layers), signature,
-           tuple(sorted((k, _hashable(v)) for k, v in kwargs.items())))
+           tuple(sorted((k, _hashable(v)) for k, v in kwargs.items())), compiled)
     entry = _profiles.get(key)
     if entry is None:
         calls = [functools.partial(_call, layer, kw) for layer, kw in zip(layers, routed)]
         names = [getattr(layer, "name", None) or getattr(layer, "__name__", None)
                  or type(layer).__name__ for layer in layers]
+        profile = profile_chain(calls, inputs, names=names, api=api, compiled=compiled)
         # The layers are kept alive with the entry, so their ids stay theirs.
-        entry = _profiles[key] = (list(layers), profile_chain(calls, inputs, names=names,
-                                                              api=api), {})
+        entry = _profiles[key] = (list(layers), profile, {})
         if len(_profiles) > _CACHE_SIZE:
             _profiles.popitem(last=False)
     _profiles.move_to_end(key)
@@ -170,20 +189,27 @@ def _expect_budget(budget: Any, api: str) -> int:
 
 
 class _Chain:
-    """The profile as arrays, in bytes (and seconds for ``cost``)."""
+    """The profile as arrays, in bytes (and seconds for ``cost``).
 
-    def __init__(self, profile: ChainProfile) -> None:
+    ``scale`` multiplies what was measured per layer (not the sizes of the
+    tensors between layers): see :func:`_fitted_chain`.
+    """
+
+    def __init__(self, profile: ChainProfile, scale: float = 1.0) -> None:
         layers = profile.layers
         self.n = len(layers)
-        self.kept = np.array([p.kept_bytes for p in layers], float)
-        self.fwd = np.array([p.forward_peak_bytes for p in layers], float)
-        self.fwd0 = np.array([p.untaped_peak_bytes for p in layers], float)
-        self.bwd = np.array([p.backward_peak_bytes for p in layers], float)
+        self.kept = scale * np.array([p.kept_bytes for p in layers], float)
+        self.fwd = scale * np.array([p.forward_peak_bytes for p in layers], float)
+        self.fwd0 = scale * np.array([p.untaped_peak_bytes for p in layers], float)
+        self.bwd = scale * np.array([p.backward_peak_bytes for p in layers], float)
+        # Eager: the custom gradient's tape entry holds a checkpointed segment's
+        # output until its backward; a graph frees it after its last reader.
+        self.holds_output = not profile.compiled
         self.x = np.array(profile.boundary_bytes, float)
         self.dx = np.array(profile.boundary_grad_bytes, float)
-        # Held by the caller through the whole backward: the chain's output (the
-        # loss needs it) and its gradient.
-        self.outside = self.x[self.n] + self.dx[self.n]
+        # Held by the caller through the whole backward: the gradient of the
+        # chain's output (the output itself is counted with the last piece).
+        self.outside = self.dx[self.n]
         # A small floor keeps the program from treating a cheap layer as free.
         seconds = np.array([p.seconds for p in layers], float)
         self.cost = np.maximum(seconds, 0.05 * max(seconds.mean(), 1e-9))
@@ -207,7 +233,8 @@ class _Chain:
         gradient of its output, the weight gradients of ``[mid, t)``, and (in
         eager mode, held by the custom gradient) its forward's output."""
         grad_in = np.where(np.asarray(mid) < t, self.dx[mid], 0.0)
-        return grad_in + self.x[mid] + self.weight_grads(mid, t)
+        output = self.x[mid] if self.holds_output else 0.0
+        return grad_in + output + self.weight_grads(mid, t)
 
     def plain_backward(self, s: int, t: int) -> float:
         """Peak of layer s's backward inside [s, t), above what its left holds."""
@@ -215,9 +242,39 @@ class _Chain:
         return self.kept[s] + grad_in + self.weight_grads(s + 1, t) + self.bwd[s]
 
 
+def _fitted_chain(profile: ChainProfile) -> _Chain:
+    """The model of ``profile``; for a graph, scaled down to predict the measured
+    peak of the plain chain when it predicts more.
+
+    A layer's graph, run alone, may start the backward ops that need no output
+    gradient before the reading between forward and backward, so the per-layer
+    readings can add up to more than the chain holds as one graph (measured:
+    up to 1.35x, for Dense + gelu layers). One factor on the per-layer bytes,
+    fitted to the plain chain, corrects most of it.
+    """
+    chain = _Chain(profile)
+    if not profile.compiled:
+        return chain
+    plain = (Segment(0, chain.n, False),)
+
+    def plain_peak(chain: _Chain) -> float:
+        return _peak(chain, plain, 0, chain.n) + chain.outside
+
+    if plain_peak(chain) <= profile.plain_peak_bytes:
+        return chain
+    low, high = 0.0, 1.0
+    for _ in range(20):
+        middle = (low + high) / 2
+        if plain_peak(_Chain(profile, middle)) > profile.plain_peak_bytes:
+            high = middle
+        else:
+            low = middle
+    return _Chain(profile, low)
+
+
 def predict_peak(profile: ChainProfile, pieces: tuple[Segment, ...]) -> int:
     """The peak the model predicts for running ``pieces`` as a training step."""
-    chain = _Chain(profile)
+    chain = _fitted_chain(profile)
     return int(_peak(chain, pieces, 0, chain.n) + chain.outside)
 
 
@@ -245,7 +302,7 @@ def _peak(chain: _Chain, pieces: tuple[Segment, ...], s: int, t: int) -> float:
 
 def solve(profile: ChainProfile, budget: int, *, api: str = _API) -> SequentialPlan:
     """The plan with least recomputation for ``budget``, from a profile."""
-    chain = _Chain(profile)
+    chain = _fitted_chain(profile)
     n = chain.n
     plain = (Segment(0, n, False),)
     plain_peak = profile.plain_peak_bytes
@@ -271,8 +328,8 @@ def solve(profile: ChainProfile, budget: int, *, api: str = _API) -> SequentialP
         )
     usable = budget * (1 - _HEADROOM)
     pieces = _least_work(chain, usable - chain.outside) or min_pieces
-    return dataclasses.replace(plan, pieces=pieces,
-                               predicted_peak_bytes=predict_peak(profile, pieces))
+    return dataclasses.replace(plan, pieces=pieces, predicted_peak_bytes=int(
+        _peak(chain, pieces, 0, n) + chain.outside))
 
 
 def _least_memory(chain: _Chain) -> tuple[float, tuple[Segment, ...]]:

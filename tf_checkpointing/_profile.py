@@ -8,9 +8,13 @@ backward allocate on top of that, and how long its forward takes. So we measure
 them on the real layers: :func:`profile_chain` runs the chain once untaped and
 once the way plain backprop runs it (every layer under the tape, then the
 backward layer by layer, in reverse), reading the device allocator between
-layers. The state the profile runs change (dropout seeds, BatchNorm statistics)
-is put back afterwards, and it runs in a thread of its own, so no tape of the
-caller records it.
+layers. A ``tf.function`` step keeps fewer bytes than eager backprop (its
+backward graph reads only some intermediates, and frees them as it goes), so
+for one (``compiled``) each layer runs its forward and backward as one graph,
+with the allocator read at a ``py_function`` between the two, and the whole
+chain's plain step is measured as one graph. The state the profile runs change
+(dropout seeds, BatchNorm statistics) is put back afterwards, and it runs in a
+thread of its own, so no tape of the caller records it.
 
 The profile and the checkpointed run call the layers alike: each layer gets the
 call-time keywords its signature accepts (:func:`route_keywords`: ``training=``
@@ -37,6 +41,7 @@ from tf_checkpointing._state import StateRecorder
 __all__: list[str] = []
 
 _BFC_ENV_VAR = "TF_CPU_ALLOCATOR_USE_BFC"
+_GRAPH_RUNS = 5  # runs of each layer's graph; the profile keeps the median readings
 
 
 def validate_layers(layers: Any, api: str) -> list[Any]:
@@ -143,8 +148,11 @@ class ChainProfile:
         boundary_bytes: ``n + 1`` sizes: the chain's input, each layer's output.
         boundary_grad_bytes: the same, floating leaves only (their gradients).
         plain_peak_bytes: measured peak of the plain (un-checkpointed) step above
-            the level before it.
+            the level before it (with ``compiled``: of the whole chain's forward
+            and backward as one ``tf.function``).
         device: the device whose allocator was read.
+        compiled: measured for a training step that is a ``tf.function``: each
+            layer profiled as a function of its own.
     """
 
     layers: tuple[LayerProfile, ...]
@@ -152,6 +160,7 @@ class ChainProfile:
     boundary_grad_bytes: tuple[int, ...]
     plain_peak_bytes: int
     device: str
+    compiled: bool = False
 
 
 class _Allocator:
@@ -173,30 +182,150 @@ class _Allocator:
 
 
 def profile_chain(calls: Sequence[Callable[[Any], Any]], inputs: Any, *,
-                  names: Sequence[str], api: str) -> ChainProfile:
+                  names: Sequence[str], api: str, compiled: bool = False) -> ChainProfile:
     """Runs the chain ``calls`` on ``inputs`` and measures each layer.
 
     ``calls[i](x)`` runs layer ``i`` (with its keywords bound). Runs eagerly in
     a thread of its own, so the caller's tape records none of it; called while
     a ``tf.function`` is traced, it runs on synthetic inputs of the traced
     shapes (which must then be fully known).
+
+    With ``compiled``, the profile is of a training step that is a
+    ``tf.function``: each layer's forward and backward run as one graph, read
+    between the two (a graph keeps only the intermediates its backward reads,
+    and frees them as the backward goes), and ``plain_peak_bytes`` is the
+    whole chain's, measured as one graph.
     """
-    return _in_fresh_thread(_profile, calls, inputs, names, api)
+    return _in_fresh_thread(_profile, calls, inputs, names, api, compiled)
 
 
-def _profile(calls, inputs, names, api) -> ChainProfile:
+def _profile(calls, inputs, names, api, compiled) -> ChainProfile:
     x = _concrete_inputs(inputs, api)
     device = _memory_device(x, api)
     recorder = StateRecorder()
-    with recorder:
+    with recorder:  # records, eagerly, the state the layers write, to put it back
         try:
             for call in calls:  # build the layers (and trace inner tf.functions)
                 x = call(x)
             x = _concrete_inputs(inputs, api)
+            if compiled:
+                return _graph_profile(calls, x, device, names)
             untaped, seconds, sizes = _untaped_pass(calls, x, device)
             return _taped_pass(calls, x, device, names, untaped, seconds, sizes)
         finally:
             recorder.restore_before()
+
+
+def _backprop(tape: tf.GradientTape, x: Any, y: Any) -> list[Any]:
+    """The gradients of every differentiable input leaf and variable for an
+    output gradient of ones (zeros for those not connected)."""
+    leaves = [t for t in tf.nest.flatten(x) if is_differentiable(t)]
+    outputs = [t for t in tf.nest.flatten(y) if is_differentiable(t)]
+    return tape.gradient(outputs, leaves + list(tape.watched_variables()),
+                         output_gradients=[tf.ones_like(t) for t in outputs],
+                         unconnected_gradients=tf.UnconnectedGradients.ZERO)
+
+
+def _taped(call: Callable[[Any], Any], x: Any) -> tuple[tf.GradientTape, Any]:
+    with tf.GradientTape() as tape:
+        tape.watch([t for t in tf.nest.flatten(x) if is_differentiable(t)])
+        y = call(x)
+    return tape, y
+
+
+def _graph_profile(calls, x, device, names) -> ChainProfile:
+    """The profile of a ``tf.function`` training step (see :func:`profile_chain`)."""
+    graphs = [tf.function(call, autograph=False) for call in calls]
+    y = x
+    for graph in graphs:  # trace them before any reading
+        y = graph(y)
+    untaped, seconds, sizes = _untaped_pass(graphs, x, device)
+    plain_peak = _graph_plain_peak(calls, x, device)
+    layers, grad_sizes, y_grad_bytes = [], [], 0
+    for i, call in enumerate(calls):
+        layer, x_grad_bytes, y_grad_bytes = _graph_layer(call, x, device, names[i])
+        layers.append(dataclasses.replace(layer, untaped_peak_bytes=untaped[i],
+                                          seconds=seconds[i]))
+        grad_sizes.append(x_grad_bytes)
+        x = graphs[i](x)
+    grad_sizes.append(y_grad_bytes)
+    return ChainProfile(layers=tuple(layers), boundary_bytes=tuple(sizes),
+                        boundary_grad_bytes=tuple(grad_sizes), plain_peak_bytes=plain_peak,
+                        device=device, compiled=True)
+
+
+def _graph_layer(call, x, device, name) -> tuple[LayerProfile, int, int]:
+    """One layer's forward and backward as one graph, with the allocator read
+    at the point between them (a ``py_function`` that the output gradient
+    waits on): what is held there is what the graph keeps for the backward.
+
+    The executor runs independent ops in any order, so what is held varies
+    from run to run (by up to 15% for a transformer block on 2 cores); the
+    profile keeps the median of a few runs.
+    """
+    allocator = _Allocator(device)
+    readings: list[tuple[int, int]] = []
+
+    def read_and_reset(*outputs: tf.Tensor) -> tf.Tensor:
+        readings.append((allocator.current(), allocator.peak_since_mark()))
+        allocator.mark()
+        return tf.constant(1.0)
+
+    def step(x: Any) -> tuple[list[Any], list[Any]]:
+        tape, y = _taped(call, x)
+        leaves = [t for t in tf.nest.flatten(x) if is_differentiable(t)]
+        outputs = [t for t in tf.nest.flatten(y) if is_differentiable(t)]
+        # Takes the outputs, so they are held at the reading, as in a chain,
+        # where each output is the next layer's input.
+        one = tf.py_function(read_and_reset, outputs, tf.float32)
+        variables = list(tape.watched_variables())
+        grads = tape.gradient(outputs, leaves + variables,
+                              output_gradients=[tf.fill(tf.shape(t), tf.cast(one, t.dtype))
+                                                for t in outputs],
+                              unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        return grads[:len(leaves)], grads[len(leaves):]
+
+    graph = tf.function(step, autograph=False)
+    _sync(graph(x))  # trace and warm up
+    outputs = [t for t in tf.nest.flatten(call(x)) if is_differentiable(t)]
+    kept, forward, total = [], [], []
+    for _ in range(_GRAPH_RUNS):  # the executor's order, so what is held, varies
+        readings.clear()
+        before = allocator.mark()
+        x_grads, weight_grads = graph(x)
+        _sync(x_grads + weight_grads)
+        (between, forward_peak), = readings
+        kept.append(between - before)
+        forward.append(forward_peak - before)
+        total.append(max(forward_peak, allocator.peak_since_mark()) - before)
+    layer = LayerProfile(
+        name=name, kept_bytes=_median(kept), forward_peak_bytes=_median(forward),
+        untaped_peak_bytes=0,
+        # The output gradient, allocated after the reading, is the model's own term.
+        backward_peak_bytes=max(0, _median(total) - _median(kept) - _nbytes(outputs)),
+        weight_grad_bytes=_nbytes(weight_grads), seconds=0.0)
+    return layer, _nbytes(x_grads), _nbytes(outputs)
+
+
+def _graph_plain_peak(calls, x, device) -> int:
+    """Peak of the chain's plain forward and backward as one ``tf.function``."""
+
+    def chain(x: Any) -> list[Any]:
+        tape, y = _taped(lambda x: _run_all(calls, x), x)
+        return _backprop(tape, x, y)
+
+    step = tf.function(chain, autograph=False)
+    _sync(step(x))  # trace and warm up
+    allocator = _Allocator(device)
+    start = allocator.mark()
+    _sync(step(x))
+    return max(0, allocator.peak_since_mark() - start)
+
+
+def _run_all(calls, x):
+    for call in calls:
+        x = call(x)
+    return x
 
 
 def _in_fresh_thread(fn: Callable[..., Any], *args: Any) -> Any:
@@ -291,6 +420,10 @@ def _taped_pass(calls, x, device, names, untaped, seconds, sizes) -> ChainProfil
     return ChainProfile(layers=layers, boundary_bytes=tuple(sizes),
                         boundary_grad_bytes=tuple(grad_sizes), plain_peak_bytes=highest - start,
                         device=device)
+
+
+def _median(values: list[int]) -> int:
+    return max(0, sorted(values)[len(values) // 2])
 
 
 def _sync(value: Any) -> None:

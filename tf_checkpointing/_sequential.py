@@ -55,7 +55,8 @@ def checkpoint_sequential(
     but the last are checkpointed (the last one's replay would begin right
     away, saving nothing). With ``budget`` the chain is profiled once, on the
     first call for these shapes, and the schedule with the least recomputation
-    within the budget is used (see :func:`plan_sequential`).
+    within the budget is used (see :func:`plan_sequential`); called while a
+    ``tf.function`` is traced, it plans for what a graph keeps.
 
     Args:
         layers: the chain: Keras layers or callables; the first receives
@@ -178,8 +179,10 @@ class CheckpointedSequential(keras.layers.Layer):
         segments: number of pieces or ``"sqrt"``, as in
             :func:`checkpoint_sequential`.
         budget: bytes a training step may allocate; the chain is planned on the
-            first call whose input shapes are fully known and the plan is reused
-            after (also for the smaller last batch of an epoch).
+            first call whose input shapes are fully known, for eager steps or,
+            if that call is traced in a ``tf.function`` (``Model.fit``), for
+            graph steps, and the plan is reused after (also for the smaller last
+            batch of an epoch).
         **kwargs: base layer keywords (``name``, ``dtype``, ...).
 
     Call arguments:
@@ -233,10 +236,14 @@ class CheckpointedSequential(keras.layers.Layer):
 
     def build(self, input_shape: Any) -> None:
         # Like keras.Sequential.build: a symbolic pass creates every layer's weights.
+        # Outside any tf.function being traced (init_scope), so that the weights
+        # hold their values at once: the budget's profile runs the layers eagerly,
+        # and a variable created in a trace is initialized only when it runs.
         x = keras.tree.map_shape_structure(lambda shape: keras.KerasTensor(shape),
                                            input_shape)
-        for layer in self.layers:
-            x = layer(x)
+        with tf.init_scope():
+            for layer in self.layers:
+                x = layer(x)
 
     def call(self, inputs: Any, training: Optional[bool] = None) -> Any:
         kwargs = {} if training is None else {"training": training}
