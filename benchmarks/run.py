@@ -63,7 +63,7 @@ DEFAULT_STRATEGIES = {
 DEFAULT_REPEATS = {"tiny": 3, "quick": 5, "full": 7}
 # The targets' model and mode get more rounds: on a shared 2-core machine one round's
 # time ratio scatters by +-0.1, as much as the 1.35x target's margin.
-TARGET_REPEATS = 7
+TARGET_REPEATS = 15
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -132,7 +132,10 @@ def _budget_plan(blocks: list, options: dict) -> Chain:
         return sequential
 
     wanted = options["plan_budget_bytes"]
-    least = planned(2**50).plan.min_budget_bytes or 0
+    plan_mode = "eager" if options.get("mode", "eager") == "eager" else "graph"
+    least = tf_checkpointing.plan_sequential(  # the same profile the layer's call finds
+        blocks, options["sample_state"], budget=2**50, mode=plan_mode,
+        training=True).min_budget_bytes or 0
     sequential = planned(max(wanted, least))
     plan = sequential.plan
 
