@@ -152,7 +152,7 @@ class ChainProfile:
             and backward as one ``tf.function``).
         device: the device whose allocator was read.
         compiled: measured for a training step that is a ``tf.function``: each
-            layer profiled as a function of its own.
+            layer's forward and backward profiled as one graph.
     """
 
     layers: tuple[LayerProfile, ...]
