@@ -63,3 +63,36 @@ class BlockNet(keras.Model):
 
     def call(self, x, training=None):
         return self.head(self.block(self.pre(x), training=training))
+
+
+class ResidualBlock(keras.layers.Layer):
+    """Dense -> Dropout -> BatchNorm -> Dense, plus the input: a block with both
+    random and moving state. Each run calls ``record(hidden)`` with the first
+    Dense's output; test modules override it to log the runs."""
+
+    def __init__(self, units=8, activation="relu", rate=0.3, seed=7, **kwargs):
+        super().__init__(**kwargs)
+        self.units, self.activation, self.rate, self.seed = units, activation, rate, seed
+        self.inner = keras.layers.Dense(units, activation=activation, name="inner")
+        self.drop = keras.layers.Dropout(rate, seed=seed, name="drop")
+        self.norm = keras.layers.BatchNormalization(name="norm")
+        self.outer = keras.layers.Dense(units, name="outer")
+
+    def build(self, input_shape):
+        hidden = tuple(input_shape)[:-1] + (self.units,)
+        self.inner.build(input_shape)
+        self.norm.build(hidden)
+        self.outer.build(hidden)
+
+    def get_config(self):
+        return {**super().get_config(), "units": self.units, "activation": self.activation,
+                "rate": self.rate, "seed": self.seed}
+
+    def record(self, hidden):
+        pass
+
+    def call(self, x, training=None):
+        h = self.inner(x)
+        self.record(h)
+        h = self.norm(self.drop(h, training=training), training=training)
+        return self.outer(h) + x

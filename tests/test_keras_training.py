@@ -12,34 +12,16 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import BlockNet
+from helpers import BlockNet, ResidualBlock
 
 from tf_checkpointing import apply_checkpointing, checkpointable, is_recomputing
 
 RUNS: list = []  # is_recomputing() at each run of a Block
 
 
-class Block(keras.layers.Layer):
-    """Dense -> Dropout -> BatchNorm -> Dense, with a residual; logs each run."""
-
-    def __init__(self, units=8, rate=0.3, **kwargs):
-        super().__init__(**kwargs)
-        self.units, self.rate = units, rate
-        self.inner = keras.layers.Dense(units, activation="relu", name="inner")
-        self.drop = keras.layers.Dropout(rate, seed=7, name="drop")
-        self.norm = keras.layers.BatchNormalization(name="norm")
-        self.outer = keras.layers.Dense(units, name="outer")
-
-    def build(self, input_shape):
-        hidden = tuple(input_shape)[:-1] + (self.units,)
-        self.inner.build(input_shape)
-        self.norm.build(hidden)
-        self.outer.build(hidden)
-
-    def call(self, x, training=None):
+class Block(ResidualBlock):
+    def record(self, hidden):
         RUNS.append(is_recomputing())
-        h = self.drop(self.inner(x), training=training)
-        return self.outer(self.norm(h, training=training)) + x
 
 
 def subclassed(checkpoint):

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from conftest import compile_step
+from helpers import ResidualBlock
 
 from tf_checkpointing import apply_checkpointing, checkpointable, is_recomputing
 
@@ -26,20 +27,12 @@ POLICIES = {"mixed_float16": tf.float16, "mixed_bfloat16": tf.bfloat16}
 TOLERANCE = {"mixed_float16": 2e-3, "mixed_bfloat16": 2e-2}
 
 
-class Block(keras.layers.Layer):
-    def __init__(self, units=8, **kwargs):
-        super().__init__(**kwargs)
-        self.units = units
-        self.inner = keras.layers.Dense(units, activation="gelu", name="inner")
-        self.drop = keras.layers.Dropout(0.2, seed=3, name="drop")
-        self.norm = keras.layers.BatchNormalization(name="norm")
-        self.outer = keras.layers.Dense(units, name="outer")
+class Block(ResidualBlock):
+    def __init__(self, **kwargs):
+        super().__init__(activation="gelu", rate=0.2, seed=3, **kwargs)
 
-    def call(self, x, training=None):
-        h = self.inner(x)
-        RUNS.append((is_recomputing(), h.dtype))
-        h = self.norm(self.drop(h, training=training), training=training)
-        return self.outer(h) + x
+    def record(self, hidden):
+        RUNS.append((is_recomputing(), hidden.dtype))
 
 
 @pytest.fixture(params=list(POLICIES))

@@ -17,48 +17,24 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import BlockNet
+from helpers import BlockNet, ResidualBlock
 
 from tf_checkpointing import apply_checkpointing, checkpointable, is_recomputing
 
 RUNS: list = []
 
 
-class _BlockBase(keras.layers.Layer):
-    def __init__(self, units=8, **kwargs):
-        super().__init__(**kwargs)
-        self.units = units
-        self.inner = keras.layers.Dense(units, activation="relu", name="inner")
-        self.drop = keras.layers.Dropout(0.3, seed=1, name="drop")
-        self.norm = keras.layers.BatchNormalization(name="norm")
-        self.outer = keras.layers.Dense(units, name="outer")
-
-    def build(self, input_shape):
-        hidden = tuple(input_shape)[:-1] + (self.units,)
-        self.inner.build(input_shape)
-        self.norm.build(hidden)
-        self.outer.build(hidden)
-
-    def get_config(self):
-        return {**super().get_config(), "units": self.units}
-
-    def _forward(self, x, training):
+@keras.saving.register_keras_serializable(package="tf_checkpointing_tests")
+class PlainBlock(ResidualBlock):
+    def record(self, hidden):
         RUNS.append(is_recomputing())
-        h = self.drop(self.inner(x), training=training)
-        return self.outer(self.norm(h, training=training)) + x
 
 
 @keras.saving.register_keras_serializable(package="tf_checkpointing_tests")
-class PlainBlock(_BlockBase):
-    def call(self, x, training=None):
-        return self._forward(x, training)
-
-
-@keras.saving.register_keras_serializable(package="tf_checkpointing_tests")
-class CheckpointedBlock(_BlockBase):
+class CheckpointedBlock(PlainBlock):
     @checkpointable(checkpoint=True)
     def call(self, x, training=None):
-        return self._forward(x, training)
+        return super().call(x, training=training)
 
 
 def functional(block_class=PlainBlock):
