@@ -64,8 +64,8 @@ if str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))
 
 from tf_checkpointing import checkpointable  # noqa: E402
-from tf_checkpointing._planner import plan_sequential  # noqa: E402
 from tf_checkpointing._sequential import checkpoint_sequential  # noqa: E402
+from tf_checkpointing.planning._chain import plan_sequential  # noqa: E402
 
 MIB = 2**20
 DEVICE = "CPU:0"

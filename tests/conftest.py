@@ -32,6 +32,6 @@ def _forget_planned_chains():
     keeps one test's weights from pinning allocator blocks under the next test's
     memory measurements."""
     yield
-    from tf_checkpointing import _planner
+    from tf_checkpointing.planning import _chain as _planner
 
     _planner._profiles.clear()

@@ -9,16 +9,16 @@ import pytest
 import tensorflow as tf
 from helpers import Counter, assert_all_close
 
-from tf_checkpointing import _planner
-from tf_checkpointing._plan import Segment, SequentialPlan
-from tf_checkpointing._planner import (
+from tf_checkpointing._sequential import CheckpointedSequential, checkpoint_sequential
+from tf_checkpointing.planning import _chain as _planner
+from tf_checkpointing.planning._chain import (
     _inner,
     plan_sequential,
     predict_peak,
     solve,
 )
-from tf_checkpointing._profile import ChainProfile, LayerProfile
-from tf_checkpointing._sequential import CheckpointedSequential, checkpoint_sequential
+from tf_checkpointing.planning._plan import Segment, SequentialPlan
+from tf_checkpointing.planning._profile import ChainProfile, LayerProfile
 
 MIB = 2**20
 

@@ -8,13 +8,13 @@ import tensorflow as tf
 from conftest import compile_step
 from helpers import Counter, assert_all_close
 
-from tf_checkpointing._plan import Segment, SequentialPlan
-from tf_checkpointing._planner import plan_sequential
 from tf_checkpointing._sequential import (
     CheckpointedSequential,
     checkpoint_sequential,
     run_plan,
 )
+from tf_checkpointing.planning._chain import plan_sequential
+from tf_checkpointing.planning._plan import Segment, SequentialPlan
 
 MIB = 2**20
 

@@ -11,9 +11,8 @@ from tf_checkpointing._decorator import checkpointable
 from tf_checkpointing._flags import is_checkpointing, is_recomputing
 from tf_checkpointing._keras import apply_checkpointing
 from tf_checkpointing._memory import MemoryStats, measure, peak_memory
-from tf_checkpointing._plan import Segment, SequentialPlan
-from tf_checkpointing._planner import plan_sequential
 from tf_checkpointing._sequential import CheckpointedSequential, checkpoint_sequential
+from tf_checkpointing.planning import Segment, SequentialPlan, plan_sequential
 
 __version__ = "0.1.0"
 

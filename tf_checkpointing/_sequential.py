@@ -7,7 +7,7 @@ cheap (keras #20743); checkpointing the whole chain keeps nothing but makes the
 replay hold every activation at once. Segments in between are the point: ``k``
 segments keep ``k`` inputs plus one segment's activations, least at
 ``k ~ sqrt(N)`` (Chen et al. 2016), for one extra forward. With a byte
-``budget`` the planner (:mod:`tf_checkpointing._planner`) places segments, and
+``budget`` the planner (:mod:`tf_checkpointing.planning._chain`) places segments, and
 segments inside segments, on the measured layers.
 
 Unlike ``torch.utils.checkpoint.checkpoint_sequential``, the input may be any
@@ -26,10 +26,10 @@ from typing import Any, Optional, Union, cast
 import keras
 import tensorflow as tf
 
-from tf_checkpointing._plan import Segment, SequentialPlan, even_plan
-from tf_checkpointing._planner import _expect_budget, cached_plan
-from tf_checkpointing._profile import route_keywords, validate_layers
 from tf_checkpointing._recompute import checkpointed_call, needs_checkpoint
+from tf_checkpointing.planning._chain import _expect_budget, cached_plan
+from tf_checkpointing.planning._plan import Segment, SequentialPlan, even_plan
+from tf_checkpointing.planning._profile import route_keywords, validate_layers
 
 __all__ = ["CheckpointedSequential", "checkpoint_sequential"]
 

@@ -5,7 +5,7 @@ Splitting a chain of ``N`` equal layers into ``sqrt(N)`` checkpointed segments
 layers only. Real chains are not equal (a stem keeps 4x the bytes of a head,
 attention keeps more than a feed-forward), and a budget may sit anywhere
 between "store nothing but one input" and "store everything". This module
-measures the real layers once (:mod:`tf_checkpointing._profile`) and solves
+measures the real layers once (:mod:`tf_checkpointing.planning._profile`) and solves
 for the schedule exactly, with the dynamic program of Beaumont et al. 2019
 ("Optimal checkpointing for heterogeneous chains", the *rotor* algorithm) over
 the chain of unequal layers:
@@ -51,8 +51,8 @@ from typing import Any, Optional
 import numpy as np
 import tensorflow as tf
 
-from tf_checkpointing._plan import Segment, SequentialPlan
-from tf_checkpointing._profile import (
+from tf_checkpointing.planning._plan import Segment, SequentialPlan
+from tf_checkpointing.planning._profile import (
     ChainProfile,
     profile_chain,
     route_keywords,

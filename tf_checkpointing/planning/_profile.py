@@ -1,6 +1,6 @@
 """How each layer of a chain is called, and what each one costs in memory and time.
 
-The planner (:mod:`tf_checkpointing._planner`) needs, per layer, numbers that no
+The planner (:mod:`tf_checkpointing.planning._chain`) needs, per layer, numbers that no
 formula gives for arbitrary Keras layers: how many bytes the tape keeps for its
 backward (a ``Dense`` keeps its input, a ``relu`` its output, a ``Dropout`` its
 mask, a ``LayerNormalization`` its statistics), how much its forward and its

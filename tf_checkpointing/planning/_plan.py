@@ -3,7 +3,7 @@
 A :class:`SequentialPlan` is a contiguous cover of a chain by :class:`Segment`
 pieces; a checkpointed piece keeps only its input and is replayed in backprop,
 possibly with checkpoints of its own inside (``inner``). :func:`even_plan`
-makes the fixed ``segments=k`` schedule; :mod:`tf_checkpointing._planner`
+makes the fixed ``segments=k`` schedule; :mod:`tf_checkpointing.planning._chain`
 solves for one within a memory budget.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from tf_checkpointing._profile import ChainProfile
+from tf_checkpointing.planning._profile import ChainProfile
 
 __all__ = ["SequentialPlan", "Segment"]
 
