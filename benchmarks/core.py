@@ -16,18 +16,16 @@ Usage:
     python benchmarks/core.py --layers 4 --batch 64 --out /tmp/core   # smoke test
 
 Prints the tables with pass/fail and writes `core.json` (and `core.md`) to --out
-(default benchmarks/results/).
+(default benchmarks/results/latest/, ignored by git; --update-results: the committed
+benchmarks/results/).
 """
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 
 _STARTED = time.perf_counter()
-os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"  # exact CPU peaks; before TensorFlow
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import argparse  # noqa: E402
 import json  # noqa: E402
@@ -39,10 +37,14 @@ _REPO = Path(__file__).resolve().parents[1]
 if str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))
 
-import keras  # noqa: E402
-import tensorflow as tf  # noqa: E402
+# Sets TF_CPU_ALLOCATOR_USE_BFC and TF_CPP_MIN_LOG_LEVEL: before TensorFlow is imported.
+from benchmarks import _cli  # noqa: E402
 
-from benchmarks import harness, report  # noqa: E402
+with _cli.quiet_start_up():
+    import keras  # noqa: E402
+    import tensorflow as tf  # noqa: E402
+
+    from benchmarks import harness, report  # noqa: E402
 from benchmarks.models import Workload  # noqa: E402
 from tf_checkpointing import checkpointable  # noqa: E402
 
@@ -212,8 +214,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated subset of eager,function,xla")
     parser.add_argument("--repeats", type=int, default=7, help="timed steps per strategy")
     parser.add_argument("--overhead-samples", type=int, default=201)
-    parser.add_argument("--out", type=Path, default=_REPO / "benchmarks" / "results")
+    _cli.add_output_arguments(parser)
     args = parser.parse_args(argv)
+    args.out = _cli.output_dir(args)
     modes = [m for m in args.modes.split(",") if m]
     unknown = [m for m in modes if m not in harness.MODES]
     if unknown:

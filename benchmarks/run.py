@@ -8,8 +8,9 @@ Usage:
     python benchmarks/run.py --tiny --out /tmp/bench   # what the tests run
 
 Writes `<size>.md`, `<size>.json` and `<size>.png` to --out (default
-benchmarks/results/; --name changes the file name) and prints the Markdown table.
-See benchmarks/README.md.
+benchmarks/results/latest/, ignored by git; --update-results writes the committed
+benchmarks/results/ instead; --name changes the file name) and prints the Markdown
+table. See benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -19,14 +20,6 @@ import sys
 import time
 
 _STARTED = time.perf_counter()
-# Exact CPU memory statistics need the BFC allocator, chosen when TensorFlow starts.
-os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-if "tensorflow" in sys.modules:
-    print("warning: TensorFlow was imported before benchmarks/run.py set "
-          "TF_CPU_ALLOCATOR_USE_BFC=true; CPU peaks may miss small allocations.",
-          file=sys.stderr)
-
 import argparse  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Callable  # noqa: E402
@@ -35,11 +28,15 @@ _REPO = Path(__file__).resolve().parents[1]
 if str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))
 
-import tensorflow as tf  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+# Sets TF_CPU_ALLOCATOR_USE_BFC and TF_CPP_MIN_LOG_LEVEL: before TensorFlow is imported.
+from benchmarks import _cli  # noqa: E402
 
-from benchmarks import harness, models, report  # noqa: E402
-from benchmarks.strategies import STRATEGIES  # noqa: E402
+with _cli.quiet_start_up():
+    import tensorflow as tf  # noqa: E402
+    from tqdm import tqdm  # noqa: E402
+
+    from benchmarks import harness, models, report  # noqa: E402
+    from benchmarks.strategies import STRATEGIES  # noqa: E402
 
 # What each size runs unless --models / --modes say otherwise. Tracing and graph
 # optimisation, not the steps, dominate the quick run: 10-15 s per strategy for the
@@ -98,8 +95,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "(default 1/3, the memory target)")
     parser.add_argument("--no-batch-fit", action="store_true",
                         help="skip the largest-batch measurement")
-    parser.add_argument("--out", type=Path, default=_REPO / "benchmarks" / "results",
-                        help="output directory (default: benchmarks/results)")
+    _cli.add_output_arguments(parser)
     parser.add_argument("--name", help="output file name without extension (default: the "
                         "size: quick, full or tiny)")
     return parser.parse_args(argv)
@@ -143,7 +139,11 @@ def main(argv: list[str] | None = None) -> int:
                   load_average_start=list(os.getloadavg()))
     results: list[harness.RunResult] = []
     configs: dict[str, dict[str, int]] = {}
-    bar = tqdm(total=len(plan) * len(strategy_names), unit="run", dynamic_ncols=True)
+    # A progress bar on a terminal; in a log (not a terminal), one line per group instead
+    # of carriage-return updates.
+    interactive = sys.stderr.isatty()
+    bar = tqdm(total=len(plan) * len(strategy_names), unit="run", dynamic_ncols=True,
+               disable=not interactive)
     for model_name in model_names:
         modes = [mode for m, mode in plan if m == model_name]
         if not modes:
@@ -166,8 +166,11 @@ def main(argv: list[str] | None = None) -> int:
                 forward_baseline=is_target,
                 on_progress=_advance(bar))
             results.extend(group.values())
-            header["group_seconds"][f"{model_name}/{mode}"] = round(
-                time.perf_counter() - group_started, 1)
+            seconds = round(time.perf_counter() - group_started, 1)
+            header["group_seconds"][f"{model_name}/{mode}"] = seconds
+            if not interactive:
+                print(f"{model_name}/{mode}: {len(strategy_names)} strategies in {seconds} s",
+                      file=sys.stderr, flush=True)
         del workload
     bar.close()
     checks = report.check_targets(results)
@@ -176,12 +179,20 @@ def main(argv: list[str] | None = None) -> int:
     text = report.markdown_report(results, checks, header)
     payload = dict(header=header, environment=report.environment(), configs=configs,
                    results=[r.as_dict() for r in results], targets=checks)
-    paths = report.write_outputs(args.out, args.name or args.size, text, payload, results)
+    paths = report.write_outputs(_cli.output_dir(args), args.name or args.size, text, payload,
+                                 results)
     print(text)
     print(f"Total time {time.perf_counter() - _STARTED:.1f} s (TensorFlow import "
           f"{header['tf_import_s']:.1f} s; CPU time {sum(os.times()[:2]):.0f} s; load average "
-          f"{os.getloadavg()[0]:.1f}). Wrote {', '.join(str(p) for p in paths)}.")
+          f"{os.getloadavg()[0]:.1f}). Wrote {', '.join(_shown(p) for p in paths)}.")
     return 0
+
+
+def _shown(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
 
 
 if __name__ == "__main__":

@@ -35,33 +35,34 @@ Usage:
     python benchmarks/sequential.py --out /tmp/results
 
 Prints the tables with pass/fail and writes ``sequential.json`` to --out
-(default benchmarks/results/). Other scripts call :func:`run_benchmark`.
+(default benchmarks/results/latest/, ignored by git; --update-results: the committed
+benchmarks/results/). Other scripts call :func:`run_benchmark`.
 """
 
 from __future__ import annotations
 
-import os
-import sys
-
-os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"  # exact CPU peaks; before TensorFlow
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-
 import argparse  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
+import os
 import platform  # noqa: E402
 import statistics  # noqa: E402
+import sys
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any, Callable, Optional  # noqa: E402
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-
 _REPO = Path(__file__).resolve().parents[1]
 if str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))
+
+# Sets TF_CPU_ALLOCATOR_USE_BFC and TF_CPP_MIN_LOG_LEVEL: before TensorFlow is imported.
+from benchmarks import _cli  # noqa: E402
+
+with _cli.quiet_start_up():
+    import keras  # noqa: E402
+    import numpy as np  # noqa: E402
+    import tensorflow as tf  # noqa: E402
 
 from tf_checkpointing import checkpointable  # noqa: E402
 from tf_checkpointing._sequential import checkpoint_sequential  # noqa: E402
@@ -303,7 +304,7 @@ def _environment() -> dict[str, Any]:
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="16 small layers")
-    parser.add_argument("--out", type=Path, default=_REPO / "benchmarks" / "results")
+    _cli.add_output_arguments(parser)
     for name, default in FULL.items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
                             help=f"default {default} ({QUICK[name]} with --quick)")
@@ -314,6 +315,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(format_report(payload))
     if args.quick:
         print("(--quick: shapes too small for the targets, which apply to the full run)")
+    args.out = _cli.output_dir(args)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / ("sequential_quick.json" if args.quick else "sequential.json")
     path.write_text(json.dumps(payload, indent=2) + "\n")

@@ -27,11 +27,6 @@ def _allocate_64_mib():
     return tf.reduce_sum(x)
 
 
-@pytest.fixture(autouse=True)
-def _no_partial_stats_warning(monkeypatch):
-    monkeypatch.setattr(_memory, "_warned_partial_cpu_stats", True)
-
-
 def test_peak_of_a_known_allocation():
     peak = peak_memory(_allocate_64_mib)
     assert 64 * MIB <= peak < 2 * 64 * MIB
@@ -119,32 +114,36 @@ def test_statistics_stuck_at_zero_say_how_to_enable_them(monkeypatch):
         peak_memory(_allocate_64_mib, device="CPU:0")
 
 
-def test_partial_cpu_statistics_warn_once(monkeypatch):
-    monkeypatch.setattr(_memory, "_warned_partial_cpu_stats", False)
-    monkeypatch.delenv("TF_CPU_ALLOCATOR_USE_BFC", raising=False)
-    with pytest.warns(UserWarning, match="small allocations.*TF_CPU_ALLOCATOR_USE_BFC=true"):
+def test_partial_cpu_statistics_raise(monkeypatch):
+    """An allocator that misses small allocations (TensorFlow's default CPU one) gives
+    peaks that are too low: an error, not a number."""
+    monkeypatch.setattr(_memory, "_complete_stats_devices", set())
+    monkeypatch.setattr(tf.config.experimental, "get_memory_info",
+                        lambda device: {"current": 1 << 20, "peak": 1 << 20})
+    with pytest.raises(RuntimeError, match=r"64 KiB allocation was counted as 0 bytes.*"
+                                           r"TF_CPU_ALLOCATOR_USE_BFC=true"):
         peak_memory(_allocate_64_mib, device="CPU:0")
-    assert _memory._warned_partial_cpu_stats
+    assert _memory.statistics_status("CPU:0").startswith("not available: a 64 KiB")
+
+
+def test_complete_statistics_are_reported_available():
+    assert _memory.statistics_status("CPU:0") == "available"
 
 
 @pytest.mark.slow
-def test_without_bfc_either_measures_large_tensors_or_says_how_to_enable():
-    """Without TF_CPU_ALLOCATOR_USE_BFC, TensorFlow < 2.21-ish refuses CPU statistics
-    and TF 2.21 tracks only large allocations. Either way the user is told the fix."""
+def test_without_bfc_measure_raises_and_says_how_to_enable():
+    """Without TF_CPU_ALLOCATOR_USE_BFC, TensorFlow refuses CPU statistics or tracks only
+    large allocations; either way measuring raises and tells the fix."""
     code = textwrap.dedent("""
-        import warnings
-        from tf_checkpointing._memory import peak_memory
+        from tf_checkpointing import peak_memory
         import tensorflow as tf
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            try:
-                peak = peak_memory(lambda: tf.reduce_sum(tf.zeros([16 * 2**20])))
-            except RuntimeError as error:
-                print("ERROR", error)
-            else:
-                print("PEAK", peak)
-        for w in caught:
-            print("WARNING", w.message)
+        tf.zeros([16 * 2**20]) + 1.0     # a large allocation: TF 2.21 then tracks large ones
+        try:
+            peak = peak_memory(lambda: tf.reduce_sum(tf.zeros([16 * 2**20])))
+        except RuntimeError as error:
+            print("ERROR", error)
+        else:
+            print("PEAK", peak)
     """)
     env = {k: v for k, v in os.environ.items() if k != "TF_CPU_ALLOCATOR_USE_BFC"}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
@@ -153,10 +152,5 @@ def test_without_bfc_either_measures_large_tensors_or_says_how_to_enable():
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout
+    assert out.startswith("ERROR Memory statistics are not available for device 'CPU:0'"), out
     assert "TF_CPU_ALLOCATOR_USE_BFC=true" in out, out
-    if "PEAK" in out:
-        peak = int(out.split("PEAK")[1].split()[0])
-        assert 64 * MIB <= peak < 2 * 64 * MIB
-        assert "WARNING" in out
-    else:
-        assert "ERROR Memory statistics are not available" in out

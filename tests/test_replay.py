@@ -1,5 +1,7 @@
 """Exact replay: the recomputation sees the randomness and state the forward saw."""
 
+import random
+
 import keras
 import numpy as np
 import pytest
@@ -7,7 +9,12 @@ import tensorflow as tf
 from conftest import compile_step
 from helpers import assert_all_close, grads_of
 
-from tf_checkpointing import checkpointable, is_checkpointing, is_recomputing
+from tf_checkpointing import (
+    ReplayMismatchError,
+    checkpointable,
+    is_checkpointing,
+    is_recomputing,
+)
 
 
 def test_flags_inside_forward_replay_and_outside(mode):
@@ -231,15 +238,45 @@ class TestCheckMode:
             return x if len(calls) == 1 else (x, x)
 
         wrapped = checkpointable(body, checkpoint=True, check=True)
-        with pytest.raises(RuntimeError, match=r"replay of `.*body` returned .* forward returned"):
+        with pytest.raises(ReplayMismatchError,
+                           match=r"replay of `.*body` returned .* forward returned"):
             grads_of(wrapped, [tf.ones([2])], [], "eager")
 
-    @pytest.mark.parametrize("mode", ["eager", "function"])
-    def test_values_catch_an_unreplayed_random_source(self, mode):
+    def test_python_random_is_caught_with_a_fix_that_fits(self):
+        """The documented cause: Python's `random` inside the block. Eager: the
+        library's own error, naming the function and the fix for that cause."""
+        rng = random.Random(0)
+
+        def noisy_block(x):
+            return x * rng.random()
+
+        wrapped = checkpointable(noisy_block, checkpoint=True, check="values")
+        with pytest.raises(ReplayMismatchError) as info:
+            grads_of(wrapped, [tf.ones([4])], [], "eager")
+        message = str(info.value)
+        assert "replay of `" in message and "noisy_block` computed other values" in message
+        assert "largest difference" in message
+        assert "Python's `random`" in message and "SeedGenerator" in message
+        assert isinstance(info.value, RuntimeError)
+
+    def test_values_catch_an_unreplayed_random_source_eagerly(self):
         wrapped = checkpointable(lambda x: x * tf.random.uniform([256]), checkpoint=True,
                                  check="values")
-        with pytest.raises(tf.errors.InvalidArgumentError, match="_force_seed=True"):
-            grads_of(wrapped, [tf.ones([256])], [], mode)
+        with pytest.raises(ReplayMismatchError, match="_force_seed=True"):
+            grads_of(wrapped, [tf.ones([256])], [], "eager")
+
+    def test_values_in_a_graph_carry_the_same_message(self):
+        """In a tf.function the check is a graph op: TensorFlow raises, with our
+        message and no assertion wrapper text around it."""
+        wrapped = checkpointable(lambda x: x * tf.random.uniform([256]), checkpoint=True,
+                                 check="values")
+        with pytest.raises(tf.errors.InvalidArgumentError) as info:
+            grads_of(wrapped, [tf.ones([256])], [], "function")
+        message = str(info.value)
+        assert "assertion failed: [checkpointable: the replay of `" in message
+        assert "<lambda>` computed other values" in message
+        assert "_force_seed=True" in message
+        assert "Expected 'tf.Tensor(False" not in message
 
     def test_values_pass_when_replay_is_exact(self):
         wrapped = checkpointable(lambda x: x * tf.random.uniform([256]), checkpoint=True,
@@ -249,7 +286,7 @@ class TestCheckMode:
     def test_environment_variable_turns_it_on(self, monkeypatch):
         monkeypatch.setenv("TF_CHECKPOINTING_CHECK", "values")
         wrapped = checkpointable(lambda x: x * tf.random.uniform([256]), checkpoint=True)
-        with pytest.raises(tf.errors.InvalidArgumentError, match="computed other values"):
+        with pytest.raises(ReplayMismatchError, match="computed other values"):
             grads_of(wrapped, [tf.ones([256])], [], "eager")
 
     def test_bad_check_value(self):

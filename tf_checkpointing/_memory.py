@@ -10,10 +10,12 @@ the device was at when it started.
 
 On CPU the numbers are only complete with TensorFlow's BFC allocator, which is
 chosen once, when TensorFlow starts, from the environment variable
-`TF_CPU_ALLOCATOR_USE_BFC`. Without it, TensorFlow either raises "Memory statistics
-not tracked" (older releases) or, measured on TF 2.21, tracks large allocations
-only (a 160 KB tensor is not counted, a 256 KiB one is). So set it before the
-first `import tensorflow`:
+`TF_CPU_ALLOCATOR_USE_BFC`. Without it, TensorFlow either refuses CPU statistics
+("Allocator stats not available", TF 2.21 before any large allocation) or tracks
+large allocations only (a 160 KB tensor is not counted, a 256 KiB one is): a peak
+that is silently too low. So `measure` checks, once per device, that a 64 KiB
+allocation is counted, and raises a `RuntimeError` that says how to enable the
+allocator when it is not. Set it before the first `import tensorflow`:
 
     import os
     os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"   # before importing TensorFlow
@@ -22,8 +24,8 @@ first `import tensorflow`:
 or from the shell: `TF_CPU_ALLOCATOR_USE_BFC=true python train.py`.
 
 Example:
-    >>> import tensorflow as tf
-    >>> from tf_checkpointing._memory import peak_memory
+    >>> import tensorflow as tf            # TF_CPU_ALLOCATOR_USE_BFC=true set before this
+    >>> from tf_checkpointing import peak_memory
     >>> def step():
     ...     x = tf.random.uniform([1024, 1024])      # 4 MiB
     ...     return tf.reduce_sum(x * 2.0)            # and 4 MiB more for x * 2
@@ -39,16 +41,17 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import warnings
 from typing import Any, Callable, Generic, Optional, TypeVar
 
 import tensorflow as tf
 
-__all__ = ["MemoryStats", "default_memory_device", "measure", "peak_memory"]
+__all__ = ["MemoryStats", "default_memory_device", "measure", "peak_memory",
+           "statistics_status"]
 
 T = TypeVar("T")
 
-_ENV_VAR = "TF_CPU_ALLOCATOR_USE_BFC"
+BFC_ENV_VAR = "TF_CPU_ALLOCATOR_USE_BFC"
+_ENV_VAR = BFC_ENV_VAR
 _HOW_TO_ENABLE = (
     f"set {_ENV_VAR}=true in the environment before TensorFlow is imported: either "
     f'`os.environ["{_ENV_VAR}"] = "true"` as the first lines of your script (before '
@@ -58,7 +61,9 @@ _HOW_TO_ENABLE = (
 # For each measurement in progress: [device, highest absolute peak seen before a nested
 # measurement reset the device's statistics].
 _open_measurements: list[list[Any]] = []
-_warned_partial_cpu_stats = False
+# Devices whose allocator was found to count small allocations (probed once each).
+_complete_stats_devices: set[str] = set()
+_PROBE_BYTES = 64 * 1024  # below what TF 2.21's default CPU allocator counts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,10 +115,13 @@ def measure(fn: Callable[..., T], *args: Any, device: Optional[str] = None,
 
     Raises:
         ValueError: `device` does not name exactly one device of this process.
-        RuntimeError: the device's allocator keeps no statistics (on CPU: TensorFlow
-            was started without `TF_CPU_ALLOCATOR_USE_BFC=true`).
+        RuntimeError: the device's allocator keeps no statistics, or on CPU only
+            partial ones (TensorFlow was started without
+            `TF_CPU_ALLOCATOR_USE_BFC=true`); the message says how to enable them.
 
     Example:
+        >>> import tensorflow as tf            # TF_CPU_ALLOCATOR_USE_BFC=true set before this
+        >>> from tf_checkpointing import measure
         >>> stats = measure(lambda n: tf.reduce_sum(tf.random.uniform([n, 1024])), 1024)
         >>> stats.peak_bytes >= 4 * 2**20, float(stats.result) > 0.0
         (True, True)
@@ -124,7 +132,7 @@ def measure(fn: Callable[..., T], *args: Any, device: Optional[str] = None,
             f"Invalid value received for argument `device`: expected a device string "
             f'such as "GPU:0" or "CPU:0", received {device!r} of type '
             f"{type(device).__name__}. Pass the device as a string.")
-    _warn_if_cpu_stats_are_partial(device)
+    _require_complete_stats(device)
     before = _memory_info(device)
     for entry in _open_measurements:   # keep the enclosing measurements' peaks
         if entry[0] == device:
@@ -162,10 +170,13 @@ def peak_memory(fn: Callable[..., Any], *args: Any, device: Optional[str] = None
 
     Raises:
         ValueError: `device` does not name exactly one device of this process.
-        RuntimeError: the allocator keeps no statistics; the message says how to
-            enable them.
+        RuntimeError: the device's allocator keeps no statistics, or on CPU only
+            partial ones (TensorFlow was started without
+            `TF_CPU_ALLOCATOR_USE_BFC=true`); the message says how to enable them.
 
     Example:
+        >>> import tensorflow as tf            # TF_CPU_ALLOCATOR_USE_BFC=true set before this
+        >>> from tf_checkpointing import peak_memory
         >>> peak_memory(lambda: tf.reduce_sum(tf.zeros([1024, 1024]) + 1.0)) >= 4 * 2**20
         True
     """
@@ -177,7 +188,7 @@ def _memory_info(device: str) -> dict[str, int]:
         info = tf.config.experimental.get_memory_info(device)
     except ValueError as error:
         text = str(error)
-        if "not tracked" in text or "statistics" in text.lower():
+        if any(words in text.lower() for words in ("not tracked", "statistics", "stats")):
             raise RuntimeError(_unavailable_message(device, text)) from error
         devices = [d.name.replace("/device:", "") for d in tf.config.list_logical_devices()]
         raise ValueError(
@@ -211,15 +222,41 @@ def _unavailable_message(device: str, reason: str) -> str:
     return message
 
 
-def _warn_if_cpu_stats_are_partial(device: str) -> None:
-    global _warned_partial_cpu_stats
-    if _warned_partial_cpu_stats or "CPU" not in device.upper():
-        return
-    if os.environ.get(_ENV_VAR, "").lower() in ("1", "true"):
-        return
-    _warned_partial_cpu_stats = True
-    warnings.warn(
-        f"Measuring CPU memory without {_ENV_VAR}=true: TensorFlow's default CPU "
-        f"allocator does not count small allocations (measured on TF 2.21: a 160 KB "
-        f"tensor is not counted), so peaks are too low. To count every allocation, "
-        f"{_HOW_TO_ENABLE}.", UserWarning, stacklevel=3)
+def statistics_status(device: str) -> str:
+    """Whether `measure` can read `device`, in words (for bug reports).
+
+    Example:
+        >>> statistics_status("CPU:0")   # TF_CPU_ALLOCATOR_USE_BFC=true set before TF
+        'available'
+    """
+    try:
+        _memory_info(device)
+        problem = _missing_small_allocations(device)
+    except RuntimeError as error:
+        problem = str(error.__cause__ or error)
+    return "available" if problem is None else f"not available: {problem}"
+
+
+def _require_complete_stats(device: str) -> None:
+    """Raises a RuntimeError unless `device`'s allocator counts a 64 KiB allocation."""
+    problem = _missing_small_allocations(device)
+    if problem is not None:
+        raise RuntimeError(_unavailable_message(device, problem))
+
+
+def _missing_small_allocations(device: str) -> Optional[str]:
+    """Why CPU peaks would be too low, or None. TensorFlow's default CPU allocator
+    counts large allocations only, so a peak read from it is too low without any
+    sign; the BFC allocator counts all. Probed once per device."""
+    if device in _complete_stats_devices or "CPU" not in device.upper():
+        return None
+    before = _memory_info(device)["current"]
+    with tf.device(device):
+        probe = tf.random.uniform([_PROBE_BYTES // 4])
+    counted = _memory_info(device)["current"] - before
+    del probe
+    if counted < _PROBE_BYTES:
+        return (f"a {_PROBE_BYTES // 1024} KiB allocation was counted as {counted} bytes, "
+                "so small allocations would be missing from its peaks")
+    _complete_stats_devices.add(device)
+    return None

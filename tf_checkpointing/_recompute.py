@@ -35,6 +35,7 @@ from tensorflow.python.eager import tape as tape_lib
 from tf_checkpointing import _keras_context, _seeding
 from tf_checkpointing._captures import CaptureGuard
 from tf_checkpointing._control_flow import CaptureMap
+from tf_checkpointing._errors import ReplayMismatchError
 from tf_checkpointing._flags import checkpoint_scope, is_recomputing
 from tf_checkpointing._state import StateRecorder, replayed_state
 
@@ -209,24 +210,43 @@ class _Replay:
     def _verify(self, out: Any, out_leaves: list[Any]) -> None:
         replayed = _signature(out)
         if replayed != self.out_signature:
-            raise RuntimeError(
+            raise ReplayMismatchError(
                 f"checkpointable: the replay of `{self.name}` returned {replayed}, but its "
                 f"forward returned {self.out_signature}. The function must return the same "
-                "structure, shapes and dtypes when it is run again; make it deterministic "
-                "(no Python-side randomness or counters deciding what it returns)."
+                "structure, shapes and dtypes when it is run again: make what decides its "
+                "outputs depend on its arguments only (not on Python's `random`, NumPy's "
+                "global generator, counters or other state changed by the forward)."
             )
-        if self.out_values is not None:
-            for k, (before, i) in enumerate(zip(self.out_values, self.out_positions)):
-                tf.debugging.assert_near(
-                    out_leaves[i], before, rtol=1e-5, atol=1e-6,
-                    message=(
-                        f"checkpointable: the replay of `{self.name}` computed other values "
-                        f"than its forward (output {k}). A random source or state it reads "
-                        "is not replayed exactly: seed it (keras.random with a "
-                        "SeedGenerator, tf.random.Generator, stateless ops) or call it with "
-                        "_force_seed=True for legacy tf.random ops."
-                    ),
-                )
+        if self.out_values is None:
+            return
+        for k, (before, i) in enumerate(zip(self.out_values, self.out_positions)):
+            message = (
+                f"checkpointable: the replay of `{self.name}` computed other values than its "
+                f"forward (output {k}{{difference}}), so its gradients would be wrong: a "
+                "random source or state it reads is not replayed. Python's `random` or "
+                "NumPy: draw from keras.random with a keras.random.SeedGenerator or from a "
+                "tf.random.Generator instead, or draw outside and pass the numbers in as an "
+                "argument. Legacy tf.random ops without a seed (tf.random.uniform, "
+                "tf.nn.dropout): call with _force_seed=True or use "
+                "checkpointable(..., force_seed=True). Other state: pass it as an argument."
+            )
+            if tf.executing_eagerly():
+                after = out_leaves[i]
+                if not bool(tf.reduce_all(_close(after, before))):
+                    worst = float(tf.reduce_max(tf.abs(tf.cast(after - before, tf.float64))))
+                    raise ReplayMismatchError(
+                        message.format(difference=f", largest difference {worst:.3g}"))
+                continue
+            # In a graph the comparison is an op: the message reaches the user inside
+            # TensorFlow's InvalidArgumentError, as close to ours as a graph allows.
+            tf.debugging.Assert(
+                tf.reduce_all(_close(out_leaves[i], before)), [message.format(difference="")],
+                name="checkpointable_check")
+
+
+def _close(after: tf.Tensor, before: tf.Tensor) -> tf.Tensor:
+    after, before = tf.cast(after, tf.float64), tf.cast(before, tf.float64)
+    return tf.abs(after - before) <= 1e-6 + 1e-5 * tf.abs(before)
 
 
 def _signature(out: Any) -> Any:
