@@ -240,9 +240,9 @@ def is_wrong(r: RunResult) -> bool:
                 or (r.state_error is not None and r.state_error > GRAD_TOLERANCE))
 
 
-def replot(json_path: Path, png_path: Optional[Path] = None) -> Path:
-    """Draws the plot of a finished run again from its JSON (e.g. after a change to
-    the plot), without measuring anything."""
+def rerender(json_path: Path) -> list[Path]:
+    """Writes the Markdown report and the plot of a finished run again from its JSON
+    (after a change to how they are presented), without measuring anything."""
     payload = json.loads(Path(json_path).read_text())
     fields = {f.name for f in dataclasses.fields(RunResult)}
     results = []
@@ -250,9 +250,10 @@ def replot(json_path: Path, png_path: Optional[Path] = None) -> Path:
         kwargs = {k: v for k, v in row.items() if k in fields}
         kwargs["batch_peaks"] = {int(k): v for k, v in kwargs.get("batch_peaks", {}).items()}
         results.append(RunResult(**kwargs))
-    png_path = png_path or Path(json_path).with_suffix(".png")
+    md_path, png_path = Path(json_path).with_suffix(".md"), Path(json_path).with_suffix(".png")
+    md_path.write_text(markdown_report(results, check_targets(results), payload["header"]))
     plot(results, png_path)
-    return png_path
+    return [md_path, png_path]
 
 
 def _row(cells: list[Any]) -> str:
@@ -293,6 +294,6 @@ def _json_default(value: Any) -> Any:
 
 
 if __name__ == "__main__":
-    # python -m benchmarks.report benchmarks/results/quick.json: redraw its PNG.
+    # python -m benchmarks.report benchmarks/results/quick.json: its .md and .png again.
     for name in sys.argv[1:]:
-        print(replot(Path(name)))
+        print(*rerender(Path(name)))

@@ -4,6 +4,7 @@ Each runs as a subprocess, as a user would run it: `python benchmarks/run.py --t
 and `python benchmarks/core.py` with a small chain, into a temporary directory.
 """
 
+import argparse
 import json
 import os
 import subprocess
@@ -28,12 +29,36 @@ def tiny_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     done = _run("run.py", "--tiny", "--out", str(out))
     assert done.returncode == 0, done.stderr[-4000:]
-    return out, done.stdout, json.loads((out / "tiny.json").read_text())
+    return out, done.stdout, json.loads((out / "tiny.json").read_text()), done.stderr
+
+
+@pytest.mark.slow
+def test_tiny_run_log_is_readable(tiny_run):
+    """Output to a pipe (a log): no TensorFlow start-up noise, no carriage-return
+    progress bar, one line per model and mode."""
+    stderr = tiny_run[3]
+    assert "cudart_stub" not in stderr and "absl::InitializeLog" not in stderr, stderr
+    assert "\r" not in stderr
+    assert "gpt2/function: 6 strategies in" in stderr
+
+
+def test_results_go_to_an_ignored_directory_unless_asked():
+    from benchmarks import _cli
+
+    parser = argparse.ArgumentParser()
+    _cli.add_output_arguments(parser)
+    assert _cli.output_dir(parser.parse_args([])) == REPO / "benchmarks/results/latest"
+    assert _cli.output_dir(parser.parse_args(["--update-results"])) == (
+        REPO / "benchmarks/results")
+    assert _cli.output_dir(parser.parse_args(["--out", "/tmp/x"])) == Path("/tmp/x")
+    ignored = subprocess.run(["git", "check-ignore", "-q", "benchmarks/results/latest/x.md"],
+                             cwd=REPO)
+    assert ignored.returncode == 0  # git ignores it: a user's run leaves the checkout clean
 
 
 @pytest.mark.slow
 def test_tiny_run_writes_table_json_and_png(tiny_run):
-    out, stdout, payload = tiny_run
+    out, stdout, payload, _ = tiny_run
     table = (out / "tiny.md").read_text()
     assert "| model | mode | strategy | peak MiB |" in table
     assert "### Targets (gpt2, function)" in table
@@ -44,7 +69,7 @@ def test_tiny_run_writes_table_json_and_png(tiny_run):
 
 @pytest.mark.slow
 def test_tiny_run_measures_every_model_and_strategy(tiny_run):
-    _, _, payload = tiny_run
+    _, _, payload, _ = tiny_run
     results = payload["results"]
     assert {r["model"] for r in results} == {"mlp", "gpt2", "unet"}
     assert {r["mode"] for r in results} == {"eager", "function", "xla"}
@@ -62,7 +87,7 @@ def test_tiny_run_measures_every_model_and_strategy(tiny_run):
 
 @pytest.mark.slow
 def test_tiny_run_shows_the_defects_it_is_meant_to_show(tiny_run):
-    _, _, payload = tiny_run
+    _, _, payload, _ = tiny_run
     rows = {(r["model"], r["mode"], r["strategy"]): r for r in payload["results"]}
     # Dropout in the decoder: tf.recompute_grad replays another mask, we do not.
     assert rows["gpt2", "function", "recompute_grad"]["grad_error"] > 0.1

@@ -12,6 +12,7 @@ from tf_checkpointing._errors import ReplayMismatchError
 from tf_checkpointing._flags import is_checkpointing, is_recomputing
 from tf_checkpointing._keras import apply_checkpointing
 from tf_checkpointing._memory import MemoryStats, measure, peak_memory
+from tf_checkpointing._remat_scope import RematScope
 from tf_checkpointing._sequential import CheckpointedSequential, checkpoint_sequential
 from tf_checkpointing._version import __version__ as __version__
 from tf_checkpointing.planning import Segment, SequentialPlan, plan_sequential
@@ -19,6 +20,7 @@ from tf_checkpointing.planning import Segment, SequentialPlan, plan_sequential
 __all__ = [
     "CheckpointedSequential",
     "MemoryStats",
+    "RematScope",
     "ReplayMismatchError",
     "Segment",
     "SequentialPlan",
