@@ -93,6 +93,7 @@ def default_memory_device() -> str:
     """Returns the device `measure` uses by default: the first GPU if any, else "CPU:0".
 
     Example:
+        >>> from tf_checkpointing._memory import default_memory_device
         >>> default_memory_device() in ("GPU:0", "CPU:0")
         True
     """
@@ -226,6 +227,7 @@ def statistics_status(device: str) -> str:
     """Whether `measure` can read `device`, in words (for bug reports).
 
     Example:
+        >>> from tf_checkpointing._memory import statistics_status
         >>> statistics_status("CPU:0")   # TF_CPU_ALLOCATOR_USE_BFC=true set before TF
         'available'
     """
