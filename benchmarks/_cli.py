@@ -63,7 +63,7 @@ def add_output_arguments(parser: ArgumentParser) -> None:
                              "ignored by git)")
     parser.add_argument("--update-results", action="store_true",
                         help=f"write to {COMMITTED.relative_to(REPO)}/, the committed "
-                             "results the READMEs quote (maintainers, after a change)")
+                             "results README.md and docs/ quote (maintainers, after a change)")
 
 
 def output_dir(args: Namespace) -> Path:
