@@ -162,8 +162,13 @@ def test_sparse_tensor_argument_and_output(mode):
         return tf.reduce_sum(out[0] ** 2) + tf.reduce_sum(out[1].values ** 2)
 
     inputs = [tf.constant([1.5, -2.0]), tf.constant([[1.0, 2.0], [3.0, 4.0]])]
+    _compare(body, call, loss_of, inputs, mode)
+
+
+def _compare(body, call, loss_of, inputs, mode):
+    wrapped = checkpointable(body, checkpoint=True)
     _same_outcome(lambda: _step(call(body), loss_of, mode)(*inputs),
-                  lambda: _step(call(checkpointable(body, checkpoint=True)), loss_of, mode)(*inputs))
+                  lambda: _step(call(wrapped), loss_of, mode)(*inputs))
 
 
 def _step(fn, loss_of, mode):
@@ -184,8 +189,7 @@ def test_indexed_slices_argument(mode):
 
     inputs = [tf.constant([[0.1, 0.2, 0.3], [1.0, 2.0, 3.0]])]
     loss_of = lambda out: tf.reduce_sum(out ** 2)  # noqa: E731
-    _same_outcome(lambda: _step(call(body), loss_of, mode)(*inputs),
-                  lambda: _step(call(checkpointable(body, checkpoint=True)), loss_of, mode)(*inputs))
+    _compare(body, call, loss_of, inputs, mode)
 
 
 class Scaled(tf.experimental.ExtensionType):
@@ -204,8 +208,7 @@ def test_extension_type_argument_and_output(mode):
         return tf.reduce_sum(out.values ** 2) + out.scale ** 2
 
     inputs = [tf.constant([0.3, -0.8]), tf.constant(1.7)]
-    _same_outcome(lambda: _step(call(body), loss_of, mode)(*inputs),
-                  lambda: _step(call(checkpointable(body, checkpoint=True)), loss_of, mode)(*inputs))
+    _compare(body, call, loss_of, inputs, mode)
 
 
 def test_variables_reach_the_function_whole(mode):
