@@ -15,14 +15,18 @@ attribute access and Keras' variable tracking, but its calls are checkpointed.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import difflib
 import inspect
 from collections.abc import Iterable
 from typing import Any, Callable, Optional, TypeVar, Union, overload
 
 import keras
+import numpy as np
 import tensorflow as tf
 import wrapt
+from tensorflow.python.autograph.core import config as _autograph_config
 
 from tf_checkpointing._recompute import checkpointed_call, needs_checkpoint
 
@@ -32,6 +36,14 @@ F = TypeVar("F", bound=Callable[..., Any])
 CheckMode = Union[bool, str]
 
 _OPTION_NAMES = frozenset(("_checkpoint", "_watch_vars", "_force_seed"))
+_DECORATOR_OPTIONS = ("checkpoint", "force_seed", "check")
+
+# AutoGraph must never convert the library's own code: converted, its wrappers
+# would be bypassed or fail to convert (TensorFlow and Keras are listed the same way).
+if not any(getattr(rule, "module_prefix", None) == __package__
+           for rule in _autograph_config.CONVERSION_RULES):
+    _autograph_config.CONVERSION_RULES = (
+        _autograph_config.DoNotConvert(__package__),) + _autograph_config.CONVERSION_RULES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +72,7 @@ def checkpointable(
     checkpoint: bool = False,
     force_seed: bool = False,
     check: CheckMode = False,
+    **unknown: Any,
 ) -> Any:
     """Makes a function, method or Keras layer checkpointable.
 
@@ -106,6 +119,8 @@ def checkpointable(
         >>> tape.gradient(y, x).shape
         TensorShape([2, 3])
     """
+    if unknown:
+        raise _unknown_options_error(unknown)
     options = _Options(
         checkpoint=_expect_bool("checkpoint", checkpoint, "checkpointable(..., checkpoint=True)"),
         force_seed=_expect_bool("force_seed", force_seed, "checkpointable(..., force_seed=True)"),
@@ -114,6 +129,19 @@ def checkpointable(
     if fn is None:
         return lambda target: _wrap(target, options)
     return _wrap(fn, options)
+
+
+def _unknown_options_error(unknown: dict[str, Any]) -> TypeError:
+    names = sorted(unknown)
+    hints = [f"did you mean `{close[0]}` instead of `{name}`?" for name in names
+             for close in [difflib.get_close_matches(name.lstrip("_"), _DECORATOR_OPTIONS, n=1)]
+             if close]
+    return TypeError(
+        f"checkpointable: unknown option(s) {names}; the accepted options are "
+        f"{list(_DECORATOR_OPTIONS)}. {' '.join(hints)} Pass e.g. "
+        "checkpointable(fn, checkpoint=True, force_seed=False, check=False); call-time "
+        "options (_checkpoint, _force_seed, _watch_vars) go to the call, not the decorator."
+    )
 
 
 def _wrap(target: Any, options: _Options) -> Any:
@@ -128,7 +156,7 @@ def _wrap(target: Any, options: _Options) -> Any:
             "callable itself, e.g. checkpointable(my_block) or "
             "checkpointable(keras.layers.Dense(64))."
         )
-    return CheckpointedFunction(target, _make_wrapper(options))
+    return CheckpointedFunction(target, options)
 
 
 def _make_wrapper(options: _Options) -> Callable[..., Any]:
@@ -162,16 +190,22 @@ def _pop_call_options(kwargs: dict, options: _Options) -> tuple[bool, bool, tupl
 
 
 def _expect_bool(name: str, value: Any, fix: str) -> bool:
-    if isinstance(value, bool):
-        return value
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
     hint = ""
     if isinstance(value, (tf.Tensor, tf.Variable)):
         hint = " A tensor cannot decide at trace time whether to checkpoint."
     raise TypeError(
         f"checkpointable: argument `{name}` must be a Python bool (or None for the "
-        f"default); received {value!r} of type {type(value).__name__}.{hint} Pass True "
+        f"default); received {value!r} of type {_type_name(value)}.{hint} Pass True "
         f"or False, e.g. {fix}."
     )
+
+
+def _type_name(value: Any) -> str:
+    kind = type(value)
+    return kind.__qualname__ if kind.__module__ == "builtins" else (
+        f"{kind.__module__}.{kind.__qualname__}")
 
 
 def _expect_check(value: Any) -> CheckMode:
@@ -251,6 +285,33 @@ class CheckpointedFunction(wrapt.FunctionWrapper):
 
     __bound_function_wrapper__ = _BoundCheckpointedFunction
 
+    def __init__(self, wrapped: Callable[..., Any], options: _Options) -> None:
+        super().__init__(wrapped, _make_wrapper(options))
+        self._self_options = options
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        # AutoGraph calls an object by converting ``type(obj).__call__``'s source,
+        # which would bypass this wrapper; a class whose ``__call__`` is
+        # checkpointable is marked so that AutoGraph calls its instances as they are.
+        if name == "__call__":
+            owner.autograph_info__ = None  # type: ignore[attr-defined]
+
+    # A function is copied as itself and pickled by reference; so is its wrapper.
+    def __copy__(self) -> CheckpointedFunction:
+        return self
+
+    def __deepcopy__(self, memo: dict) -> CheckpointedFunction:
+        return self
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        module = inspect.getmodule(self.__wrapped__)
+        found = module
+        for part in self.__qualname__.split("."):
+            found = getattr(found, part, None)
+        if found is self:  # a decorated module-level function: by name, like a function
+            return self.__qualname__
+        return CheckpointedFunction, (self.__wrapped__, self._self_options)
+
 
 class CheckpointedLayer(wrapt.ObjectProxy):
     """A Keras layer instance whose calls are checkpointable.
@@ -281,6 +342,16 @@ class CheckpointedLayer(wrapt.ObjectProxy):
 
     def __repr__(self) -> str:
         return f"<checkpointable {self.__wrapped__!r}>"
+
+    # A copy or an unpickled layer is wrapped again, with the same options.
+    def __copy__(self) -> CheckpointedLayer:
+        return CheckpointedLayer(copy.copy(self.__wrapped__), self._self_options)
+
+    def __deepcopy__(self, memo: dict) -> CheckpointedLayer:
+        return CheckpointedLayer(copy.deepcopy(self.__wrapped__, memo), self._self_options)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return CheckpointedLayer, (self.__wrapped__, self._self_options)
 
 
 def _is_symbolic(args: tuple, kwargs: dict) -> bool:
