@@ -34,8 +34,12 @@ __all__: list[str] = []
 class CaptureGuard:
     """Op callback over a forward pass; :meth:`check` raises after it."""
 
-    def __init__(self, name: str, arguments: Sequence[tf.Tensor]) -> None:
+    def __init__(self, name: str, arguments: Sequence[tf.Tensor],
+                 track_consumed: bool = False) -> None:
         self._name = name
+        # Every tensor an op of the call consumed, by id (kept alive, so ids stay
+        # unique): in a graph they live anyway; in eager only in the check mode.
+        self.consumed: Optional[dict[int, tf.Tensor]] = {} if track_consumed else None
         self._arguments = {id(t) for t in arguments}
         self._known = set(self._arguments)
         self._outside: dict[int, tf.Tensor] = {}
@@ -51,6 +55,8 @@ class CaptureGuard:
 
     def _on_op(self, op_type, inputs, attrs, outputs, op_name=None, graph=None):
         if graph is self._graph:
+            if self.consumed is not None:
+                self.consumed.update((id(t), t) for t in inputs)
             for tensor in inputs:
                 if self._made_outside(tensor):
                     self._outside[id(tensor)] = tensor

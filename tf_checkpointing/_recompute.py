@@ -37,7 +37,11 @@ from tf_checkpointing._captures import CaptureGuard
 from tf_checkpointing._control_flow import CaptureMap
 from tf_checkpointing._flags import checkpoint_scope, is_recomputing
 from tf_checkpointing._state import StateRecorder, replayed_state
-from tf_checkpointing._structure import Flattened, refuse_opaque_outputs
+from tf_checkpointing._structure import (
+    Flattened,
+    refuse_chained_outputs,
+    refuse_opaque_outputs,
+)
 
 __all__: list[str] = []
 
@@ -99,6 +103,9 @@ def checkpointed_call(
         out = Flattened(replay.run_forward(inputs))
         refuse_opaque_outputs(replay.name, out.leaves)
         replay.note_outputs(out)
+        consumed, replay.consumed = replay.consumed, None  # keep no activation alive
+        refuse_chained_outputs(replay.name, out.leaves, replay.out_positions, consumed,
+                               strict=bool(replay.check))
         returned["out"] = out
         outputs = tuple(out.leaves[i] for i in replay.out_positions)
         # A graph-mode custom gradient needs at least one tensor to pass through
@@ -143,6 +150,7 @@ class _Replay:
         self.out_positions: list[int] = []
         self.out_signature: Any = None
         self.out_values: Optional[list[tf.Tensor]] = None
+        self.consumed: Optional[dict[int, tf.Tensor]] = None  # forward only
 
     def _call(self, inputs: Sequence[tf.Tensor]) -> Any:
         leaves = list(self.leaves)
@@ -157,7 +165,9 @@ class _Replay:
         return _seeding.forced_seed(self.call_seed)
 
     def run_forward(self, inputs: Sequence[tf.Tensor]) -> Any:
-        guard = CaptureGuard(self.name, inputs)
+        guard = CaptureGuard(self.name, inputs,
+                             track_consumed=bool(self.check) or not tf.executing_eagerly())
+        self.consumed = guard.consumed
         # Inside an enclosing checkpoint's replay, this forward is part of a replay.
         with checkpoint_scope(recomputing=is_recomputing()), self.recorder:
             try:

@@ -17,14 +17,23 @@ of value hide tensors from it, and each used to lose gradients silently:
 Any other object that holds floating tensors in its attributes cannot be seen
 into; returned from a checkpointed call it would cut the gradient, so
 :func:`refuse_opaque_outputs` raises an error naming its type and the fix.
+
+An output that the call also used to compute its other outputs (``h`` and
+``y = f(h)``) is, for the outer tape, independent of them: gradients with
+respect to the call's inputs and variables are exact, but
+``tape.gradient(loss, h)`` would miss the path through ``y``.
+:func:`refuse_chained_outputs` raises in the check mode and warns (once per
+function) in a graph otherwise; eager calls outside the check mode are not
+inspected (that would keep every activation alive until the forward ends).
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Optional
 
 import tensorflow as tf
 
@@ -121,3 +130,30 @@ def _holds_float_tensor(value: Any) -> bool:
         return False  # a layer or a module: its variables get gradients anyway
     return any(isinstance(t, tf.Tensor) and (t.dtype.is_floating or t.dtype.is_complex)
                for t in tf.nest.flatten(value, expand_composites=False))
+
+
+_warned_chained: set[str] = set()
+
+
+def refuse_chained_outputs(name: str, leaves: Sequence[Any], positions: Sequence[int],
+                           consumed: Optional[dict[int, Any]], strict: bool) -> None:
+    """Raises (``strict``) or warns once if a differentiable output was also
+    consumed by an op of the call, i.e. feeds its other outputs."""
+    if not consumed:
+        return
+    chained = [k for k, i in enumerate(positions) if consumed.get(id(leaves[i])) is leaves[i]]
+    if not chained or (not strict and name in _warned_chained):
+        return
+    message = (
+        f"checkpointable: `{name}` returns differentiable output(s) {chained} (in flattened "
+        "order) that it also uses to compute its other outputs. For the outer tape the "
+        "outputs of a checkpointed call are independent, so tape.gradient(loss, output) "
+        "for such an output would miss the path through the outputs computed from it "
+        "(gradients with respect to the call's inputs and variables are exact). Return "
+        "only the final outputs, split the block into two checkpointed calls (the second "
+        "taking that output as an argument), or call it with _checkpoint=False."
+    )
+    if strict:
+        raise ValueError(message)
+    _warned_chained.add(name)
+    warnings.warn(message, UserWarning, stacklevel=2)
