@@ -290,3 +290,27 @@ def test_numpy_arrays_and_python_scalars_reach_the_function_unchanged(mode):
 
     assert_all_close(compile_step(step, mode)(tf.constant(1.0)), 6.0)
     assert set(seen) == {(np.ndarray, float, bool)}
+
+
+def test_an_eager_tensor_array_argument_gets_an_error_that_names_it():
+    x = tf.constant([0.3, -0.2])
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        array = tf.TensorArray(tf.float32, size=2).write(0, x).write(1, x * 2.0)
+        with pytest.raises(ValueError, match=r"argument of type TensorArray.*ta\.stack\(\)"):
+            checkpointable(lambda ta: tf.sin(ta.stack()), checkpoint=True)(array)
+
+
+@pytest.mark.parametrize("mode", ["function", "xla"])
+def test_tensor_arrays_in_graphs_get_exact_gradients(mode):
+    def run(fn):
+        def step(x):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                array = tf.TensorArray(tf.float32, size=2).write(0, x).write(1, x * 2.0)
+                out = fn(lambda ta, x: (tf.sin(ta.stack()), ta.write(0, ta.read(1) * x)))(array, x)
+                loss = tf.reduce_sum(out[0]) + tf.reduce_sum(out[1].stack() ** 2)
+            return loss, tape.gradient(loss, x)
+        return compile_step(step, mode)(tf.constant([0.3, -0.2]))
+
+    assert_all_close(run(lambda f: checkpointable(f, checkpoint=True)), run(lambda f: f))

@@ -71,8 +71,10 @@ class CaptureGuard:
             return False
         return tensor.dtype.is_floating or tensor.dtype.is_complex
 
-    def check(self) -> None:
-        """Raises if a tape watches a tensor the function used from outside."""
+    def check(self, argument_leaves: Sequence[Any] = ()) -> None:
+        """Raises if a tape watches a tensor the function used from outside.
+        ``argument_leaves`` (all leaves of the call's arguments) only serve the
+        error message: an argument the call cannot see into is named."""
         for tensor in self._outside.values():
             if _needs_gradient(tensor, self._arguments):
                 raise ValueError(
@@ -82,8 +84,27 @@ class CaptureGuard:
                     "gradient would be lost, because a checkpointed call passes gradients "
                     "only to its arguments and to the variables it reads. Pass the tensor "
                     "as an argument, e.g. block(x, scale, _checkpoint=True) instead of "
-                    "closing over `scale`."
+                    f"closing over `scale`.{_opaque_hint(argument_leaves)}"
                 )
+
+
+def _opaque_hint(leaves: Sequence[Any]) -> str:
+    """Names the arguments that hold tensors the call cannot see (an eager
+    ``tf.TensorArray``, an object keeping tensors in its attributes)."""
+    kinds = sorted({leaf.__class__.__name__ for leaf in leaves if _hides_tensors(leaf)})
+    if not kinds:
+        return ""
+    return (f" It may come from an argument of type {', '.join(kinds)}, whose tensors the "
+            "call cannot see: pass the tensors themselves (e.g. ta.stack() for a "
+            "TensorArray), or a tuple, dict, dataclass or tf.experimental.ExtensionType.")
+
+
+def _hides_tensors(leaf: Any) -> bool:
+    if isinstance(leaf, tf.TensorArray):
+        return True
+    attributes = getattr(leaf, "__dict__", None)
+    return isinstance(attributes, dict) and not isinstance(leaf, tf.Variable) and any(
+        isinstance(value, tf.Tensor) for value in attributes.values())
 
 
 def _describe(tensor: tf.Tensor) -> str:

@@ -39,6 +39,7 @@ from tf_checkpointing._flags import checkpoint_scope, is_recomputing
 from tf_checkpointing._state import StateRecorder, replayed_state
 from tf_checkpointing._structure import (
     Flattened,
+    is_differentiable,  # noqa: F401 (re-exported for planning)
     refuse_chained_outputs,
     refuse_opaque_outputs,
 )
@@ -57,11 +58,6 @@ def needs_checkpoint() -> bool:
     if pywrap_tfe.TFE_Py_TapeSetIsStopped():
         return False
     return not tf.executing_eagerly() or record.could_possibly_record()
-
-
-def is_differentiable(leaf: Any) -> bool:
-    """A floating (or complex) tensor: the leaves that get gradients."""
-    return isinstance(leaf, tf.Tensor) and (leaf.dtype.is_floating or leaf.dtype.is_complex)
 
 
 def checkpointed_call(
@@ -89,7 +85,7 @@ def checkpointed_call(
     """
     flat = Flattened((args, kwargs))
     leaves = flat.leaves
-    positions = [i for i, leaf in enumerate(leaves) if is_differentiable(leaf)]
+    positions = flat.differentiable
     if forwardprop_util.pack_tangents([leaves[i] for i in positions]).tangents:
         # A ForwardAccumulator watches the inputs: forward-mode autodiff keeps
         # no activations anyway, and would not see through a replay.
@@ -175,7 +171,7 @@ class _Replay:
                     for variable in self.watch_vars:
                         tape_lib.variable_accessed(variable)  # into the custom gradient's list
                     out = self._call(inputs)
-                guard.check()  # outside stop_recording: asks whether a tape watches
+                guard.check(self.leaves)  # outside stop_recording: asks whether a tape watches
                 return out
             except BaseException:
                 if tf.executing_eagerly():
@@ -183,7 +179,7 @@ class _Replay:
                 raise
 
     def note_outputs(self, out: Flattened) -> None:
-        self.out_positions = [i for i, leaf in enumerate(out.leaves) if is_differentiable(leaf)]
+        self.out_positions = out.differentiable
         if self.check:
             self.out_signature = _signature(out)
         if self.check == "values":
@@ -269,7 +265,7 @@ def _after_replay(variable_grads: Sequence[Any], all_grads: Sequence[Any]) -> li
     some gradient, so waiting for all of them restores the order. The probe is
     one element per gradient (gradients are alive anyway), not the replay's
     outputs, which would keep activations alive. (Eager runs in order.)"""
-    present = [g for g in all_grads if g is not None]
+    present = [g for g in all_grads if g is not None and g.dtype != tf.variant]
     if tf.executing_eagerly() or not present:
         return list(variable_grads)
     zero = _opaque_zero(present)
@@ -290,11 +286,13 @@ def _fresh_copies(inputs: list[tf.Tensor], output_grads: Sequence[Any]) -> list[
     with the forward by Grappler or XLA (which would keep every activation)."""
     if tf.executing_eagerly():
         return [tf.identity(x) for x in inputs]
-    grad = next((g for g in output_grads if g is not None), None)
+    grad = next((g for g in output_grads if g is not None and g.dtype != tf.variant), None)
     if grad is None:
         return [tf.identity(x) for x in inputs]
     zero = _opaque_zero([grad])
-    return [x + tf.cast(zero, x.dtype) for x in inputs]
+    # (A TensorArray's flow, a variant, cannot be added to; one input suffices.)
+    return [tf.identity(x) if x.dtype == tf.variant else x + tf.cast(zero, x.dtype)
+            for x in inputs]
 
 
 def _opaque_zero(grads: Sequence[Any]) -> tf.Tensor:

@@ -10,6 +10,10 @@ of value hide tensors from it, and each used to lose gradients silently:
   component tensors, so their float values get exact gradients. Variables are
   composite tensors too, but are kept whole (the function must receive the
   variable, not its handle);
+* a ``tf.TensorArray`` inside a graph is its ``flow`` tensor (a variant that
+  carries gradients); it is expanded to it and rebuilt around the new flow.
+  (An eager TensorArray keeps Python lists of tensors: it cannot be expanded,
+  and a call that uses it gets the capture guard's error naming it);
 * ``dataclasses.dataclass`` instances (which neither ``tf.nest`` nor
   ``keras.tree`` flatten): we flatten their fields and rebuild a copy with the
   new values.
@@ -36,6 +40,7 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 import tensorflow as tf
+from tensorflow.python.ops import tensor_array_ops
 
 __all__: list[str] = []
 
@@ -52,29 +57,49 @@ def _dataclass_fields(leaf: Any) -> dict[str, Any]:
     return {field.name: getattr(leaf, field.name) for field in dataclasses.fields(leaf)}
 
 
+def is_differentiable(leaf: Any) -> bool:
+    """A floating (or complex) tensor: the leaves that get gradients."""
+    return isinstance(leaf, tf.Tensor) and (leaf.dtype.is_floating or leaf.dtype.is_complex)
+
+
+def _is_graph_tensor_array(leaf: Any) -> bool:
+    return isinstance(leaf, tf.TensorArray) and not tf.executing_eagerly()
+
+
 class Flattened:
     """``structure`` as a flat list of leaves (tensors and other values), and
-    the way back: ``pack(leaves)`` rebuilds the structure around new leaves."""
+    the way back: ``pack(leaves)`` rebuilds the structure around new leaves.
+    ``differentiable`` lists the positions of the leaves that get gradients."""
 
     def __init__(self, structure: Any) -> None:
         self.structure = structure
         outer = tf.nest.flatten(structure)
         self._parts: list[tuple[Any, Any, int]] | None = None
+        flows: set[int] = set()
         if not any(isinstance(leaf, _EXPANDED) or _is_dataclass_instance(leaf)
-                   for leaf in outer):
+                   or _is_graph_tensor_array(leaf) for leaf in outer):
             self.leaves = outer  # the common case: tf.nest sees everything
+            self.differentiable = [i for i, x in enumerate(outer) if is_differentiable(x)]
             return
         self._parts, self.leaves = [], []
         for leaf in outer:
-            if isinstance(leaf, _EXPANDED):
-                inner: Any = tf.nest.flatten(leaf, expand_composites=True)
+            if _is_graph_tensor_array(leaf):
+                flows.add(len(self.leaves))
+                inner: Any = [leaf.flow]
+            elif isinstance(leaf, _EXPANDED):
+                inner = tf.nest.flatten(leaf, expand_composites=True)
             elif _is_dataclass_instance(leaf):
                 inner = Flattened(_dataclass_fields(leaf))
             else:
                 inner = None
             parts = [leaf] if inner is None else getattr(inner, "leaves", inner)
+            if isinstance(inner, Flattened):
+                flows.update(len(self.leaves) + i for i in inner.differentiable
+                             if not is_differentiable(inner.leaves[i]))
             self._parts.append((leaf, inner, len(parts)))
             self.leaves.extend(parts)
+        self.differentiable = [i for i, x in enumerate(self.leaves)
+                               if i in flows or is_differentiable(x)]
 
     def pack(self, leaves: Sequence[Any]) -> Any:
         if self._parts is None:
@@ -85,6 +110,8 @@ class Flattened:
             start += count
             if isinstance(inner, Flattened):
                 outer.append(_rebuilt_dataclass(leaf, inner.pack(part)))
+            elif _is_graph_tensor_array(leaf):
+                outer.append(tensor_array_ops.build_ta_with_new_flow(leaf, part[0]))
             elif inner is not None:
                 outer.append(tf.nest.pack_sequence_as(leaf, part, expand_composites=True))
             else:
