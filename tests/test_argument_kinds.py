@@ -314,3 +314,17 @@ def test_tensor_arrays_in_graphs_get_exact_gradients(mode):
         return compile_step(step, mode)(tf.constant([0.3, -0.2]))
 
     assert_all_close(run(lambda f: checkpointable(f, checkpoint=True)), run(lambda f: f))
+
+
+def test_attrs_classes_are_flattened_by_tf_nest(mode):
+    attr = pytest.importorskip("attr")  # attrs ships with the test environment
+
+    @attr.s(frozen=True)
+    class Out:
+        hidden = attr.ib()
+        extra = attr.ib()
+
+    plain, ours = _plain_and_checkpointed(
+        lambda x: Out(tf.sin(x), {"twice": x * 2.0}), [tf.constant([0.1, 0.9])], mode,
+        loss_of=lambda out: tf.reduce_sum(out.hidden ** 2) + tf.reduce_sum(out.extra["twice"]))
+    assert_all_close(ours, plain)

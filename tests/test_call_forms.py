@@ -4,6 +4,7 @@ of a plain class and of a ``tf.Module``, Keras layer and model), under eager,
 misuse gets an error that names the fix (issue 10, cases 5, 10, 11)."""
 
 import copy
+import functools
 import logging
 import pickle
 
@@ -177,3 +178,50 @@ def test_did_you_mean_suggests_only_close_names():
     assert "did you mean" not in str(error.value) and "'dense_a'" in str(error.value)
     with pytest.raises(ValueError, match="did you mean 'dense_a'"):
         apply_checkpointing(model, ["dense_b"])
+
+
+W = tf.Variable([0.5, -1.0], name="w")
+
+
+def _sin_w(x):
+    return tf.sin(x * W)
+
+
+COMPOSED = {
+    "tf.function(checkpointable(f))": (
+        lambda: tf.function(checkpointable(_sin_w, checkpoint=True)), _sin_w),
+    "checkpointable(tf.function(f))": (
+        lambda: checkpointable(tf.function(_sin_w), checkpoint=True), _sin_w),
+    "checkpoint inside a checkpoint": (
+        lambda: checkpointable(lambda x: checkpointable(_sin_w, checkpoint=True)(x) * 2.0,
+                               checkpoint=True),
+        lambda x: _sin_w(x) * 2.0),
+    "functools.partial": (
+        lambda: functools.partial(checkpointable(lambda x, s: x * s * W, checkpoint=True),
+                                  s=2.0),
+        lambda x: x * 2.0 * W),
+    "keyword-only and *args": (
+        lambda: lambda x: checkpointable(lambda *xs, k: xs[0] * xs[1] * k * W,
+                                         checkpoint=True)(x, x, k=x),
+        lambda x: x * x * x * W),
+    "an input returned as an output": (
+        lambda: checkpointable(lambda x: (x, tf.sin(W) * x), checkpoint=True),
+        lambda x: (x, tf.sin(W) * x)),
+}
+
+
+@pytest.mark.parametrize("mode", ["eager", "function", "xla"])
+@pytest.mark.parametrize("form", sorted(COMPOSED))
+def test_composed_call_forms_match_the_plain_run(form, mode):
+    make, plain = COMPOSED[form]
+
+    def step(fn):
+        def run(x):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                loss = tf.add_n([tf.reduce_sum(o ** 2) for o in tf.nest.flatten(fn(x))])
+            return [loss] + tape.gradient(loss, [x, W])
+        return _compiled(run, mode)
+
+    x = tf.constant([0.2, 0.7])
+    assert_all_close(step(make())(x), step(plain)(x))
