@@ -1,62 +1,49 @@
 """``checkpointable``: the decorator users apply to functions, methods and layers.
 
-It decides per call whether to checkpoint (``_checkpoint``), validates the
-call-time options, and hands the call to :mod:`tf_checkpointing._recompute`.
-When nothing can take a gradient of the call (eager mode, no tape recording)
-or checkpointing is off, the function is called directly: one dict lookup of
-overhead on the hot path of every layer call.
+It validates the decorator's options and wraps the target; each call goes
+through :func:`tf_checkpointing._options.dispatch`, which decides whether to
+checkpoint it.
 
 Functions and methods are wrapped with ``wrapt.FunctionWrapper`` (so
 ``__name__``, ``__doc__``, ``__wrapped__`` and ``inspect.signature`` are kept
 and methods bind as usual). A Keras layer *instance* is wrapped with a
-``wrapt.ObjectProxy``: the result is still that layer for ``isinstance``,
-attribute access and Keras' variable tracking, but its calls are checkpointed.
+``wrapt.ObjectProxy`` (:mod:`tf_checkpointing._layer_proxy`): the result is
+still that layer for ``isinstance``, attribute access and Keras' variable
+tracking, but its calls are checkpointed.
 """
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import difflib
 import inspect
-import threading
-from collections.abc import Iterable
-from typing import Any, Callable, Optional, TypeVar, Union, overload
+from typing import Any, Callable, Optional, TypeVar, overload
 
 import keras
-import numpy as np
-import tensorflow as tf
 import wrapt
 from tensorflow.python.autograph.core import config as _autograph_config
 
-try:  # Keras 3 marks its output-shape inference with this scope (not public API)
-    from keras.src.backend.common import symbolic_scope as _symbolic_scope
-except ImportError:  # pragma: no cover - another Keras: always checkpoint
-    _symbolic_scope = None
-
-from tf_checkpointing._recompute import checkpointed_call, needs_checkpoint
+from tf_checkpointing._layer_proxy import CheckpointedLayer
+from tf_checkpointing._options import (
+    _OPTION_NAMES,
+    CheckMode,
+    _expect_bool,
+    _expect_check,
+    _Options,
+    dispatch,
+)
 
 __all__: list[str] = []
 
 F = TypeVar("F", bound=Callable[..., Any])
-CheckMode = Union[bool, str]
 
-_OPTION_NAMES = frozenset(("_checkpoint", "_watch_vars", "_force_seed"))
 _DECORATOR_OPTIONS = ("checkpoint", "force_seed", "check")
 
 # AutoGraph must never convert the library's own code: converted, its wrappers
 # would be bypassed or fail to convert (TensorFlow and Keras are listed the same way).
-if not any(getattr(rule, "module_prefix", None) == __package__
+if not any(getattr(rule, "_prefix", None) == __package__
            for rule in _autograph_config.CONVERSION_RULES):
     _autograph_config.CONVERSION_RULES = (
         _autograph_config.DoNotConvert(__package__),) + _autograph_config.CONVERSION_RULES
-
-
-@dataclasses.dataclass(frozen=True)
-class _Options:
-    checkpoint: bool
-    force_seed: bool
-    check: CheckMode
 
 
 @overload
@@ -172,84 +159,6 @@ def _make_wrapper(options: _Options) -> Callable[..., Any]:
     return wrapper
 
 
-def dispatch(fn: Callable[..., Any], args: tuple, kwargs: dict, options: _Options) -> Any:
-    """Runs one call: directly, or checkpointed."""
-    checkpoint, force_seed, watch_vars = options.checkpoint, options.force_seed, ()
-    if kwargs and not _OPTION_NAMES.isdisjoint(kwargs):
-        checkpoint, force_seed, watch_vars = _pop_call_options(kwargs, options)
-    if not checkpoint or not needs_checkpoint():
-        return fn(*args, **kwargs)
-    return checkpointed_call(
-        fn, args, kwargs, watch_vars=watch_vars, force_seed=force_seed, check=options.check
-    )
-
-
-def _pop_call_options(kwargs: dict, options: _Options) -> tuple[bool, bool, tuple]:
-    checkpoint = kwargs.pop("_checkpoint", None)
-    force_seed = kwargs.pop("_force_seed", None)
-    watch_vars = kwargs.pop("_watch_vars", None)
-    checkpoint = options.checkpoint if checkpoint is None else _expect_bool(
-        "_checkpoint", checkpoint, "fn(..., _checkpoint=True)")
-    force_seed = options.force_seed if force_seed is None else _expect_bool(
-        "_force_seed", force_seed, "fn(..., _force_seed=True)")
-    return checkpoint, force_seed, _expect_variables(watch_vars)
-
-
-def _expect_bool(name: str, value: Any, fix: str) -> bool:
-    if isinstance(value, (bool, np.bool_)):
-        return bool(value)
-    hint = ""
-    if isinstance(value, (tf.Tensor, tf.Variable)):
-        hint = " A tensor cannot decide at trace time whether to checkpoint."
-    raise TypeError(
-        f"checkpointable: argument `{name}` must be a Python bool (or None for the "
-        f"default); received {value!r} of type {_type_name(value)}.{hint} Pass True "
-        f"or False, e.g. {fix}."
-    )
-
-
-def _type_name(value: Any) -> str:
-    kind = type(value)
-    return kind.__qualname__ if kind.__module__ == "builtins" else (
-        f"{kind.__module__}.{kind.__qualname__}")
-
-
-def _expect_check(value: Any) -> CheckMode:
-    if isinstance(value, bool) or value == "values":
-        return value
-    raise TypeError(
-        "checkpointable: argument `check` must be False, True (compare output structure, "
-        f"shapes and dtypes) or 'values' (compare values too); received {value!r}. "
-        "Pass e.g. checkpointable(fn, check=True)."
-    )
-
-
-def _expect_variables(value: Any) -> tuple:
-    if value is None:
-        return ()
-    if isinstance(value, (tf.Variable, keras.Variable)):
-        value = (value,)
-    if isinstance(value, (tf.Tensor, str, bytes)) or not isinstance(value, Iterable):
-        raise TypeError(
-            "checkpointable: argument `_watch_vars` must be an iterable of tf.Variable or "
-            f"keras.Variable; received {value!r} of type {type(value).__name__}. Pass a "
-            "list, e.g. _watch_vars=[layer.kernel] or _watch_vars=model.trainable_variables."
-        )
-    variables = []
-    for item in value:
-        if isinstance(item, keras.Variable):
-            item = item.value if isinstance(item.value, tf.Variable) else item._value
-        if not isinstance(item, tf.Variable):
-            raise TypeError(
-                "checkpointable: argument `_watch_vars` must contain only tf.Variable or "
-                f"keras.Variable objects; received an item {item!r} of type "
-                f"{type(item).__name__}. Tensors need no watching (tensor arguments get "
-                "gradients); pass variables, e.g. _watch_vars=[layer.kernel]."
-            )
-        variables.append(item)
-    return tuple(variables)
-
-
 class _BoundCheckpointedFunction(wrapt.BoundFunctionWrapper):
     """A checkpointable method bound to an instance. Bound to a Keras layer (the
     decorated ``call`` of a Layer subclass), its signature also lists the
@@ -317,79 +226,3 @@ class CheckpointedFunction(wrapt.FunctionWrapper):
         if found is self:  # a decorated module-level function: by name, like a function
             return self.__qualname__
         return CheckpointedFunction, (self.__wrapped__, self._self_options)
-
-
-class CheckpointedLayer(wrapt.ObjectProxy):
-    """A Keras layer instance whose calls are checkpointable.
-
-    It is the wrapped layer for ``isinstance``, attributes and variable
-    tracking. A call runs Keras' own ``Layer.__call__`` with the proxy as
-    ``self``, and only the ``call`` it runs is checkpointed (the mechanism of
-    ``apply_checkpointing``): input casting, ``training`` inheritance, masks
-    read from the inputs and attached to the outputs, and every other piece of
-    Keras metadata behave exactly as without the proxy. Called on KerasTensors
-    (building a functional model), the graph node records the proxy, so the
-    model's calls come through it instead of bypassing it.
-    """
-
-    def __init__(self, layer: keras.layers.Layer, options: _Options) -> None:
-        super().__init__(layer)
-        self._self_options = options
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        given = {name: kwargs.pop(name) for name in _OPTION_NAMES.intersection(kwargs)}
-        if given and not needs_checkpoint() and _is_symbolic(args, kwargs):
-            raise TypeError(
-                f"checkpointable: call-time options {sorted(given)} cannot be given when a "
-                "layer is called on KerasTensors (a functional model stores the call, "
-                "not the options). Set them on the layer instead, e.g. "
-                "checkpointable(layer, checkpoint=True, force_seed=True)."
-            )
-        stack = _pending_options()
-        stack.append((self, given))
-        try:
-            return type(self.__wrapped__).__call__(self, *args, **kwargs)
-        finally:
-            stack.pop()
-
-    def call(self, *args: Any, **kwargs: Any) -> Any:
-        """The wrapped layer's ``call``, checkpointed: what Keras' ``__call__``
-        runs. (Keras' output-shape inference runs it plainly.)"""
-        call = self.__wrapped__.call
-        if _in_symbolic_scope():
-            return call(*args, **kwargs)
-        given = next((opts for proxy, opts in reversed(_pending_options()) if proxy is self), {})
-        return dispatch(call, args, {**kwargs, **given}, self._self_options)
-
-    def __repr__(self) -> str:
-        return f"<checkpointable {self.__wrapped__!r}>"
-
-    # A copy or an unpickled layer is wrapped again, with the same options.
-    def __copy__(self) -> CheckpointedLayer:
-        return CheckpointedLayer(copy.copy(self.__wrapped__), self._self_options)
-
-    def __deepcopy__(self, memo: dict) -> CheckpointedLayer:
-        return CheckpointedLayer(copy.deepcopy(self.__wrapped__, memo), self._self_options)
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        return CheckpointedLayer, (self.__wrapped__, self._self_options)
-
-
-_pending = threading.local()  # call-time options of the proxy calls this thread runs
-
-
-def _pending_options() -> list[tuple[CheckpointedLayer, dict[str, Any]]]:
-    if not hasattr(_pending, "stack"):
-        _pending.stack = []
-    return _pending.stack
-
-
-def _in_symbolic_scope() -> bool:
-    return _symbolic_scope is not None and _symbolic_scope.in_symbolic_scope()
-
-
-def _is_symbolic(args: tuple, kwargs: dict) -> bool:
-    """A call on KerasTensors: Keras is building a functional graph."""
-    if args and isinstance(args[0], tf.Tensor):
-        return False  # the common case, decided without flattening the arguments
-    return any(isinstance(t, keras.KerasTensor) for t in keras.tree.flatten((args, kwargs)))
