@@ -225,3 +225,12 @@ def test_composed_call_forms_match_the_plain_run(form, mode):
 
     x = tf.constant([0.2, 0.7])
     assert_all_close(step(make())(x), step(plain)(x))
+
+
+def test_a_checkpointable_function_called_on_keras_tensors_is_refused():
+    block = checkpointable(lambda x: keras.ops.tanh(x) * 2.0, checkpoint=True)
+    with pytest.raises(TypeError, match=r"called on KerasTensors.*checkpointable\(layer, "
+                                        r"checkpoint=True\)"):
+        block(keras.Input((3,)))
+    off = checkpointable(lambda x: keras.ops.tanh(x) * 2.0)  # checkpointing off: runs as is
+    assert isinstance(off(keras.Input((3,))), keras.KerasTensor)

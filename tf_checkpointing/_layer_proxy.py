@@ -15,10 +15,9 @@ import threading
 from typing import Any
 
 import keras
-import tensorflow as tf
 import wrapt
 
-from tf_checkpointing._options import _OPTION_NAMES, _Options, dispatch
+from tf_checkpointing._options import _OPTION_NAMES, _is_symbolic, _Options, dispatch
 from tf_checkpointing._recompute import needs_checkpoint
 
 try:  # Keras 3 marks its output-shape inference with this scope (not public API)
@@ -96,10 +95,3 @@ def _pending_options() -> list[tuple[CheckpointedLayer, dict[str, Any]]]:
 
 def _in_symbolic_scope() -> bool:
     return _symbolic_scope is not None and _symbolic_scope.in_symbolic_scope()
-
-
-def _is_symbolic(args: tuple, kwargs: dict) -> bool:
-    """A call on KerasTensors: Keras is building a functional graph."""
-    if args and isinstance(args[0], tf.Tensor):
-        return False  # the common case, decided without flattening the arguments
-    return any(isinstance(t, keras.KerasTensor) for t in keras.tree.flatten((args, kwargs)))

@@ -41,6 +41,15 @@ def dispatch(fn: Callable[..., Any], args: tuple, kwargs: dict, options: _Option
     if kwargs and not _OPTION_NAMES.isdisjoint(kwargs):
         checkpoint, force_seed, watch_vars = _pop_call_options(kwargs, options)
     if not checkpoint or not needs_checkpoint():
+        if checkpoint and _is_symbolic(args, kwargs):
+            raise TypeError(
+                f"checkpointable: `{getattr(fn, '__qualname__', fn)}` was called on "
+                "KerasTensors (building a functional model). A function's operations "
+                "would be recorded into the model one by one, without the checkpoint, so "
+                "nothing would be saved. Put the computation in a keras.layers.Layer and "
+                "call checkpointable(layer, checkpoint=True) on the KerasTensors, or "
+                "apply_checkpointing(model, [...]) after building the model."
+            )
         return fn(*args, **kwargs)
     return checkpointed_call(
         fn, args, kwargs, watch_vars=watch_vars, force_seed=force_seed, check=options.check
@@ -111,3 +120,10 @@ def _expect_variables(value: Any) -> tuple:
             )
         variables.append(item)
     return tuple(variables)
+
+
+def _is_symbolic(args: tuple, kwargs: dict) -> bool:
+    """A call on KerasTensors: Keras is building a functional graph."""
+    if args and isinstance(args[0], tf.Tensor):
+        return False  # the common case, decided without flattening the arguments
+    return any(isinstance(t, keras.KerasTensor) for t in keras.tree.flatten((args, kwargs)))
