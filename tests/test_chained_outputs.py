@@ -67,3 +67,23 @@ def test_independent_outputs_are_not_flagged(mode):
         warnings.simplefilter("error")
         ours = _step(checkpointable(two_heads, checkpoint=True, check=True), mode, "inputs")(x)
     assert_all_close(ours, _step(two_heads, mode, "inputs")(x))
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])  # ragged ops do not compile with XLA
+def test_a_ragged_output_is_not_flagged_by_its_shape_checks(mode):
+    splits = tf.constant([0, 1, 3], tf.int64)
+    body = lambda x: tf.RaggedTensor.from_row_splits(tf.sin(x), splits)  # noqa: E731
+
+    def step(fn):
+        def run(x):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                loss = tf.reduce_sum(fn(x).flat_values ** 2)
+            return loss, tape.gradient(loss, x)
+        return compile_step(run, mode)
+
+    x = tf.constant([0.2, 0.7, 0.1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ours = step(checkpointable(body, checkpoint=True, check=True))(x)
+    assert_all_close(ours, step(body)(x))

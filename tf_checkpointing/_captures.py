@@ -28,6 +28,8 @@ from tensorflow.python.eager import record
 from tensorflow.python.framework import func_graph, op_callbacks
 from tensorflow.python.ops import control_flow_v2_func_graphs as _cf_graphs
 
+from tf_checkpointing._structure import is_differentiable
+
 __all__: list[str] = []
 
 
@@ -55,7 +57,10 @@ class CaptureGuard:
 
     def _on_op(self, op_type, inputs, attrs, outputs, op_name=None, graph=None):
         if graph is self._graph:
-            if self.consumed is not None:
+            # Only ops with a float output can carry a gradient path to another
+            # output (not tf.shape, asserts, casts to int ...).
+            if self.consumed is not None and outputs and any(
+                    is_differentiable(t) for t in outputs):
                 self.consumed.update((id(t), t) for t in inputs)
             for tensor in inputs:
                 if self._made_outside(tensor):
@@ -67,9 +72,7 @@ class CaptureGuard:
         return outputs  # unchanged: TensorFlow passes them to the next callback
 
     def _made_outside(self, tensor: Any) -> bool:
-        if not isinstance(tensor, tf.Tensor) or id(tensor) in self._known:
-            return False
-        return tensor.dtype.is_floating or tensor.dtype.is_complex
+        return id(tensor) not in self._known and is_differentiable(tensor)
 
     def check(self, argument_leaves: Sequence[Any] = ()) -> None:
         """Raises if a tape watches a tensor the function used from outside.
