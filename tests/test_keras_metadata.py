@@ -119,3 +119,26 @@ def test_proxy_output_masks_match_in_a_functional_model(mode):
                       for g in tape.gradient(loss, model.trainable_variables)]
 
     assert_all_close(compile_step(step, mode)(ours), compile_step(step, mode)(plain))
+
+
+def test_call_time_options_reach_the_checkpointed_call_of_a_proxy():
+    log = []
+
+    class Logged(keras.layers.Layer):
+        def call(self, x):
+            log.append(is_recomputing())
+            return tf.sin(x)
+
+    layer = checkpointable(Logged())  # off unless the call says otherwise
+    x = tf.ones([2])
+    for option, expected in ((None, [False]), (True, [False, True]), (False, [False])):
+        log.clear()
+        kwargs = {} if option is None else {"_checkpoint": option}
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = layer(x, **kwargs)
+        assert_all_close(tape.gradient(y, x), tf.cos(x))
+        assert log == expected, (option, log)
+    with pytest.raises(TypeError, match="`_checkpoint` must be a Python bool"):
+        with tf.GradientTape():
+            layer(x, _checkpoint="yes")
