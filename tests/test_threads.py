@@ -1,5 +1,5 @@
 """Threads: checkpointed calls in two threads at once replay exactly, with
-``force_seed`` too (issue 10, case 4)."""
+``force_seed`` too (issue 10, case 4); and where ``force_seed`` cannot reach."""
 
 import threading
 
@@ -112,3 +112,23 @@ def test_two_threads_train_checkpointed_blocks_at_once(mode):
         for result in ours[k]:
             for a, e in zip(result, plain[k]):
                 np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-6)
+
+
+def test_force_seed_refuses_legacy_random_ops_in_a_tf_function_called_eagerly():
+    noise = tf.function(lambda x: x * tf.random.uniform([8]))
+    loop = tf.function(lambda x: tf.while_loop(
+        lambda i, y: i < 2, lambda i, y: (i + 1, y * tf.random.normal([8])), (0, x))[1])
+    x = tf.linspace(1.0, 2.0, 8)
+    for inner in (noise, loop):
+        wrapped = checkpointable(lambda x, inner=inner: inner(x), checkpoint=True,
+                                 force_seed=True)
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            with pytest.raises(ValueError, match="force_seed cannot replay the legacy random"):
+                wrapped(x)
+    stateless = tf.function(lambda x: x * tf.random.stateless_uniform([8], seed=[1, 2]))
+    wrapped = checkpointable(lambda x: stateless(x), checkpoint=True, force_seed=True)
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = wrapped(x)
+    np.testing.assert_allclose(tape.gradient(y, x), y / x, rtol=1e-5)

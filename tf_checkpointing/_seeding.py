@@ -66,9 +66,11 @@ def forced_seed(call_seed: tf.Tensor) -> Iterator[None]:
     if tf.executing_eagerly():
         _install_eager_hooks()
         saved, _local.rewriter = getattr(_local, "rewriter", None), rewriter
+        op_callbacks.add_op_callback(_refuse_random_ops_in_functions)
         try:
             yield
         finally:
+            op_callbacks.remove_op_callback(_refuse_random_ops_in_functions)
             _local.rewriter = saved
         return
     op_callbacks.add_op_callback(rewriter)
@@ -97,6 +99,39 @@ def _install_eager_hooks() -> None:
             setattr(gen_random_ops, name, _hooked_random_op(getattr(gen_random_ops, name),
                                                             op_type))
         random_seed.get_seed = _hooked_get_seed(random_seed.get_seed)
+
+
+def _refuse_random_ops_in_functions(op_type, inputs, attrs, outputs, op_name=None, graph=None):
+    """Eager op callback: a ``tf.function`` called from an eager forced-seed call
+    runs its traced graph, whose legacy random ops keep their own kernel state
+    (no hook reaches them): its replay would draw other numbers, so refuse."""
+    if graph is None and _draws_legacy_random(op_type):
+        raise ValueError(
+            f"checkpointable: force_seed cannot replay the legacy random ops inside the "
+            f"tf.function `{op_type}` that this eager checkpointed call runs: its traced "
+            "graph draws from its own kernel state, so the replay would draw other "
+            "numbers and the gradient would be wrong. Use stateless ops, "
+            "tf.random.Generator or keras.random with a SeedGenerator inside it, or call "
+            "the checkpointed function inside the tf.function (there force_seed rewrites "
+            "each random op)."
+        )
+    return outputs
+
+
+@functools.lru_cache(maxsize=1024)
+def _draws_legacy_random(function_name: str) -> bool:
+    """Whether the registered function (or one it calls) has a legacy random op."""
+    ctx = context.context()
+    if not ctx.has_function(function_name):
+        return False
+    for node in ctx.get_function_def(function_name).node_def:
+        if node.op in _STATELESS_TWINS or _draws_legacy_random(node.op):
+            return True
+        for value in node.attr.values():  # functions called by name: bodies, branches
+            names = [value.func.name] + [f.name for f in value.list.func]
+            if any(name and _draws_legacy_random(name) for name in names):
+                return True
+    return False
 
 
 def _hooked_random_op(original: Callable[..., Any], op_type: str) -> Callable[..., Any]:
