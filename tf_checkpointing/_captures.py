@@ -124,7 +124,7 @@ def _needs_gradient(tensor: tf.Tensor, arguments: set[int]) -> bool:
     """Whether a tape watches ``tensor``, or, inside control-flow bodies, what it
     was computed from in the body or captured from in the enclosing graphs
     (an argument of the call captured into the body is not outside)."""
-    stack, seen = [tensor], set()
+    stack, seen = [tensor], set[int]()
     while stack and len(seen) < _MAX_VISITED:
         t = stack.pop()
         if id(t) in seen:

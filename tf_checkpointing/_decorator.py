@@ -219,10 +219,10 @@ class CheckpointedFunction(wrapt.FunctionWrapper):
         return self
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        module = inspect.getmodule(self.__wrapped__)
-        found = module
-        for part in self.__qualname__.split("."):
+        qualname: str = getattr(self.__wrapped__, "__qualname__", "")
+        found: Any = inspect.getmodule(self.__wrapped__)
+        for part in qualname.split("."):
             found = getattr(found, part, None)
         if found is self:  # a decorated module-level function: by name, like a function
-            return self.__qualname__
+            return qualname
         return CheckpointedFunction, (self.__wrapped__, self._self_options)

@@ -67,7 +67,8 @@ class CheckpointedLayer(wrapt.ObjectProxy):
         call = self.__wrapped__.call
         if _in_symbolic_scope():
             return call(*args, **kwargs)
-        given = next((opts for proxy, opts in reversed(_pending_options()) if proxy is self), {})
+        given: dict[str, Any] = next(
+            (opts for proxy, opts in reversed(_pending_options()) if proxy is self), {})
         return dispatch(call, args, {**kwargs, **given}, self._self_options)
 
     def __repr__(self) -> str:
