@@ -20,6 +20,7 @@ whenever a tape is recording: the error says to pass it as an argument.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -36,12 +37,11 @@ __all__: list[str] = []
 class CaptureGuard:
     """Op callback over a forward pass; :meth:`check` raises after it."""
 
-    def __init__(self, name: str, arguments: Sequence[tf.Tensor],
-                 track_consumed: bool = False) -> None:
+    def __init__(self, name: str, arguments: Sequence[tf.Tensor]) -> None:
         self._name = name
-        # Every tensor an op of the call consumed, by id (kept alive, so ids stay
-        # unique): in a graph they live anyway; in eager only in the check mode.
-        self.consumed: Optional[dict[int, tf.Tensor]] = {} if track_consumed else None
+        # Every tensor an op of the call consumed (by id, with a weak reference
+        # that tells a reused id apart and keeps no activation alive).
+        self.consumed: dict[int, weakref.ref] = {}
         self._arguments = {id(t) for t in arguments}
         self._known = set(self._arguments)
         self._outside: dict[int, tf.Tensor] = {}
@@ -59,9 +59,8 @@ class CaptureGuard:
         if graph is self._graph:
             # Only ops with a float output can carry a gradient path to another
             # output (not tf.shape, asserts, casts to int ...).
-            if self.consumed is not None and outputs and any(
-                    is_differentiable(t) for t in outputs):
-                self.consumed.update((id(t), t) for t in inputs)
+            if outputs and any(is_differentiable(t) for t in outputs):
+                self.consumed.update((id(t), weakref.ref(t)) for t in inputs)
             for tensor in inputs:
                 if self._made_outside(tensor):
                     self._outside[id(tensor)] = tensor

@@ -99,7 +99,7 @@ def checkpointed_call(
         out = Flattened(replay.run_forward(inputs))
         refuse_opaque_outputs(replay.name, out.leaves)
         replay.note_outputs(out)
-        consumed, replay.consumed = replay.consumed, None  # keep no activation alive
+        consumed, replay.consumed = replay.consumed, None
         refuse_chained_outputs(replay.name, out.leaves, replay.out_positions, consumed,
                                strict=bool(replay.check))
         returned["out"] = out
@@ -146,7 +146,7 @@ class _Replay:
         self.out_positions: list[int] = []
         self.out_signature: Any = None
         self.out_values: Optional[list[tf.Tensor]] = None
-        self.consumed: Optional[dict[int, tf.Tensor]] = None  # forward only
+        self.consumed: Optional[dict[int, Any]] = None  # forward only
 
     def _call(self, inputs: Sequence[tf.Tensor]) -> Any:
         leaves = list(self.leaves)
@@ -161,8 +161,7 @@ class _Replay:
         return _seeding.forced_seed(self.call_seed)
 
     def run_forward(self, inputs: Sequence[tf.Tensor]) -> Any:
-        guard = CaptureGuard(self.name, inputs,
-                             track_consumed=bool(self.check) or not tf.executing_eagerly())
+        guard = CaptureGuard(self.name, inputs)
         self.consumed = guard.consumed
         # Inside an enclosing checkpoint's replay, this forward is part of a replay.
         with checkpoint_scope(recomputing=is_recomputing()), self.recorder:

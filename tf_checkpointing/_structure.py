@@ -27,8 +27,7 @@ An output that the call also used to compute its other outputs (``h`` and
 respect to the call's inputs and variables are exact, but
 ``tape.gradient(loss, h)`` would miss the path through ``y``.
 :func:`refuse_chained_outputs` raises in the check mode and warns (once per
-function) in a graph otherwise; eager calls outside the check mode are not
-inspected (that would keep every activation alive until the forward ends).
+function) otherwise.
 """
 
 from __future__ import annotations
@@ -162,13 +161,18 @@ def _holds_float_tensor(value: Any) -> bool:
 _warned_chained: set[str] = set()
 
 
+def _alive(ref: Any) -> Any:
+    return None if ref is None else ref()
+
+
 def refuse_chained_outputs(name: str, leaves: Sequence[Any], positions: Sequence[int],
                            consumed: Optional[dict[int, Any]], strict: bool) -> None:
     """Raises (``strict``) or warns once if a differentiable output was also
     consumed by an op of the call, i.e. feeds its other outputs."""
     if not consumed:
         return
-    chained = [k for k, i in enumerate(positions) if consumed.get(id(leaves[i])) is leaves[i]]
+    chained = [k for k, i in enumerate(positions)
+               if _alive(consumed.get(id(leaves[i]))) is leaves[i]]
     if not chained or (not strict and name in _warned_chained):
         return
     message = (
