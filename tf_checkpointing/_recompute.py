@@ -11,7 +11,8 @@ activation, and a data dependency on the incoming gradient so neither Grappler
 nor XLA can merge the replay back into the forward) and fixes the rest:
 
 * only floating tensor leaves of ``(args, kwargs)``, at any depth, become
-  inputs of the custom gradient; everything else (``None``, bools, strings,
+  inputs of the custom gradient (also inside composite tensors and
+  dataclasses, see ``_structure``); everything else (``None``, bools, strings,
   layers, integer tensors, variables) reaches the function untouched;
 * the replay runs with the state and seeds the forward saw (``_state``,
   ``_seeding``) and with the Keras call context (``training``) and autocast
@@ -289,7 +290,8 @@ def _fresh_copies(inputs: list[tf.Tensor], output_grads: Sequence[Any]) -> list[
     if grad is None:
         return [tf.identity(x) for x in inputs]
     zero = _opaque_zero([grad])
-    # (A TensorArray's flow, a variant, cannot be added to; one input suffices.)
+    # A TensorArray's flow (a variant) cannot be added to: it is copied, and the
+    # other inputs carry the dependency on the gradient.
     return [tf.identity(x) if x.dtype == tf.variant else x + tf.cast(zero, x.dtype)
             for x in inputs]
 
