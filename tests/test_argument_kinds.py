@@ -328,3 +328,16 @@ def test_attrs_classes_are_flattened_by_tf_nest(mode):
         lambda x: Out(tf.sin(x), {"twice": x * 2.0}), [tf.constant([0.1, 0.9])], mode,
         loss_of=lambda out: tf.reduce_sum(out.hidden ** 2) + tf.reduce_sum(out.extra["twice"]))
     assert_all_close(ours, plain)
+
+
+def test_an_argument_object_holding_watched_tensors_is_named_in_the_error(mode):
+    wrapped = checkpointable(lambda holder: tf.sin(holder.tensor), checkpoint=True)
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = wrapped(Holder(x * 2.0))
+        return tape.gradient(y, x)
+
+    with pytest.raises(ValueError, match=r"argument of type Holder.*dataclass"):
+        compile_step(step, mode)(tf.constant([1.0]))
