@@ -1,44 +1,49 @@
 """``checkpointable``: the decorator users apply to functions, methods and layers.
 
-It decides per call whether to checkpoint (``_checkpoint``), validates the
-call-time options, and hands the call to :mod:`tf_checkpointing._recompute`.
-When nothing can take a gradient of the call (eager mode, no tape recording)
-or checkpointing is off, the function is called directly: one dict lookup of
-overhead on the hot path of every layer call.
+It validates the decorator's options and wraps the target; each call goes
+through :func:`tf_checkpointing._options.dispatch`, which decides whether to
+checkpoint it.
 
 Functions and methods are wrapped with ``wrapt.FunctionWrapper`` (so
 ``__name__``, ``__doc__``, ``__wrapped__`` and ``inspect.signature`` are kept
 and methods bind as usual). A Keras layer *instance* is wrapped with a
-``wrapt.ObjectProxy``: the result is still that layer for ``isinstance``,
-attribute access and Keras' variable tracking, but its calls are checkpointed.
+``wrapt.ObjectProxy`` (:mod:`tf_checkpointing._layer_proxy`): the result is
+still that layer for ``isinstance``, attribute access and Keras' variable
+tracking, but its calls are checkpointed.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import difflib
 import inspect
-from collections.abc import Iterable
-from typing import Any, Callable, Optional, TypeVar, Union, overload
+from typing import Any, Callable, Optional, TypeVar, overload
 
 import keras
-import tensorflow as tf
 import wrapt
+from tensorflow.python.autograph.core import config as _autograph_config
 
-from tf_checkpointing._recompute import checkpointed_call, needs_checkpoint
+from tf_checkpointing._layer_proxy import CheckpointedLayer
+from tf_checkpointing._options import (
+    _OPTION_NAMES,
+    CheckMode,
+    _expect_bool,
+    _expect_check,
+    _Options,
+    dispatch,
+)
 
 __all__: list[str] = []
 
 F = TypeVar("F", bound=Callable[..., Any])
-CheckMode = Union[bool, str]
 
-_OPTION_NAMES = frozenset(("_checkpoint", "_watch_vars", "_force_seed"))
+_DECORATOR_OPTIONS = ("checkpoint", "force_seed", "check")
 
-
-@dataclasses.dataclass(frozen=True)
-class _Options:
-    checkpoint: bool
-    force_seed: bool
-    check: CheckMode
+# AutoGraph must never convert the library's own code: converted, its wrappers
+# would be bypassed or fail to convert (TensorFlow and Keras are listed the same way).
+if not any(getattr(rule, "_prefix", None) == __package__
+           for rule in _autograph_config.CONVERSION_RULES):
+    _autograph_config.CONVERSION_RULES = (
+        _autograph_config.DoNotConvert(__package__),) + _autograph_config.CONVERSION_RULES
 
 
 @overload
@@ -60,6 +65,7 @@ def checkpointable(
     checkpoint: bool = False,
     force_seed: bool = False,
     check: CheckMode = False,
+    **unknown: Any,
 ) -> Any:
     """Makes a function, method or Keras layer checkpointable.
 
@@ -106,6 +112,8 @@ def checkpointable(
         >>> tape.gradient(y, x).shape
         TensorShape([2, 3])
     """
+    if unknown:
+        raise _unknown_options_error(unknown)
     options = _Options(
         checkpoint=_expect_bool("checkpoint", checkpoint, "checkpointable(..., checkpoint=True)"),
         force_seed=_expect_bool("force_seed", force_seed, "checkpointable(..., force_seed=True)"),
@@ -114,6 +122,19 @@ def checkpointable(
     if fn is None:
         return lambda target: _wrap(target, options)
     return _wrap(fn, options)
+
+
+def _unknown_options_error(unknown: dict[str, Any]) -> TypeError:
+    names = sorted(unknown)
+    hints = [f"did you mean `{close[0]}` instead of `{name}`?" for name in names
+             for close in [difflib.get_close_matches(name.lstrip("_"), _DECORATOR_OPTIONS, n=1)]
+             if close]
+    return TypeError(
+        f"checkpointable: unknown option(s) {names}; the accepted options are "
+        f"{list(_DECORATOR_OPTIONS)}. {' '.join(hints)} Pass e.g. "
+        "checkpointable(fn, checkpoint=True, force_seed=False, check=False); call-time "
+        "options (_checkpoint, _force_seed, _watch_vars) go to the call, not the decorator."
+    )
 
 
 def _wrap(target: Any, options: _Options) -> Any:
@@ -128,7 +149,7 @@ def _wrap(target: Any, options: _Options) -> Any:
             "callable itself, e.g. checkpointable(my_block) or "
             "checkpointable(keras.layers.Dense(64))."
         )
-    return CheckpointedFunction(target, _make_wrapper(options))
+    return CheckpointedFunction(target, options)
 
 
 def _make_wrapper(options: _Options) -> Callable[..., Any]:
@@ -136,78 +157,6 @@ def _make_wrapper(options: _Options) -> Callable[..., Any]:
         return dispatch(wrapped, args, kwargs, options)
 
     return wrapper
-
-
-def dispatch(fn: Callable[..., Any], args: tuple, kwargs: dict, options: _Options) -> Any:
-    """Runs one call: directly, or checkpointed."""
-    checkpoint, force_seed, watch_vars = options.checkpoint, options.force_seed, ()
-    if kwargs and not _OPTION_NAMES.isdisjoint(kwargs):
-        checkpoint, force_seed, watch_vars = _pop_call_options(kwargs, options)
-    if not checkpoint or not needs_checkpoint():
-        return fn(*args, **kwargs)
-    return checkpointed_call(
-        fn, args, kwargs, watch_vars=watch_vars, force_seed=force_seed, check=options.check
-    )
-
-
-def _pop_call_options(kwargs: dict, options: _Options) -> tuple[bool, bool, tuple]:
-    checkpoint = kwargs.pop("_checkpoint", None)
-    force_seed = kwargs.pop("_force_seed", None)
-    watch_vars = kwargs.pop("_watch_vars", None)
-    checkpoint = options.checkpoint if checkpoint is None else _expect_bool(
-        "_checkpoint", checkpoint, "fn(..., _checkpoint=True)")
-    force_seed = options.force_seed if force_seed is None else _expect_bool(
-        "_force_seed", force_seed, "fn(..., _force_seed=True)")
-    return checkpoint, force_seed, _expect_variables(watch_vars)
-
-
-def _expect_bool(name: str, value: Any, fix: str) -> bool:
-    if isinstance(value, bool):
-        return value
-    hint = ""
-    if isinstance(value, (tf.Tensor, tf.Variable)):
-        hint = " A tensor cannot decide at trace time whether to checkpoint."
-    raise TypeError(
-        f"checkpointable: argument `{name}` must be a Python bool (or None for the "
-        f"default); received {value!r} of type {type(value).__name__}.{hint} Pass True "
-        f"or False, e.g. {fix}."
-    )
-
-
-def _expect_check(value: Any) -> CheckMode:
-    if isinstance(value, bool) or value == "values":
-        return value
-    raise TypeError(
-        "checkpointable: argument `check` must be False, True (compare output structure, "
-        f"shapes and dtypes) or 'values' (compare values too); received {value!r}. "
-        "Pass e.g. checkpointable(fn, check=True)."
-    )
-
-
-def _expect_variables(value: Any) -> tuple:
-    if value is None:
-        return ()
-    if isinstance(value, (tf.Variable, keras.Variable)):
-        value = (value,)
-    if isinstance(value, (tf.Tensor, str, bytes)) or not isinstance(value, Iterable):
-        raise TypeError(
-            "checkpointable: argument `_watch_vars` must be an iterable of tf.Variable or "
-            f"keras.Variable; received {value!r} of type {type(value).__name__}. Pass a "
-            "list, e.g. _watch_vars=[layer.kernel] or _watch_vars=model.trainable_variables."
-        )
-    variables = []
-    for item in value:
-        if isinstance(item, keras.Variable):
-            item = item.value if isinstance(item.value, tf.Variable) else item._value
-        if not isinstance(item, tf.Variable):
-            raise TypeError(
-                "checkpointable: argument `_watch_vars` must contain only tf.Variable or "
-                f"keras.Variable objects; received an item {item!r} of type "
-                f"{type(item).__name__}. Tensors need no watching (tensor arguments get "
-                "gradients); pass variables, e.g. _watch_vars=[layer.kernel]."
-            )
-        variables.append(item)
-    return tuple(variables)
 
 
 class _BoundCheckpointedFunction(wrapt.BoundFunctionWrapper):
@@ -251,40 +200,29 @@ class CheckpointedFunction(wrapt.FunctionWrapper):
 
     __bound_function_wrapper__ = _BoundCheckpointedFunction
 
-
-class CheckpointedLayer(wrapt.ObjectProxy):
-    """A Keras layer instance whose calls are checkpointable.
-
-    It is the wrapped layer for ``isinstance``, attributes and variable
-    tracking; only ``__call__`` is intercepted. Called on KerasTensors (building
-    a functional model, or a Sequential with an ``Input``), it runs Keras' own
-    ``__call__`` with the proxy as ``self``: the graph node then records the
-    proxy, so the model's calls come through it instead of bypassing it.
-    """
-
-    def __init__(self, layer: keras.layers.Layer, options: _Options) -> None:
-        super().__init__(layer)
+    def __init__(self, wrapped: Callable[..., Any], options: _Options) -> None:
+        super().__init__(wrapped, _make_wrapper(options))
         self._self_options = options
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not needs_checkpoint() and _is_symbolic(args, kwargs):
-            given = sorted(_OPTION_NAMES.intersection(kwargs))
-            if given:
-                raise TypeError(
-                    f"checkpointable: call-time options {given} cannot be given when a "
-                    "layer is called on KerasTensors (a functional model stores the call, "
-                    "not the options). Set them on the layer instead, e.g. "
-                    "checkpointable(layer, checkpoint=True, force_seed=True)."
-                )
-            return type(self.__wrapped__).__call__(self, *args, **kwargs)
-        return dispatch(self.__wrapped__, args, kwargs, self._self_options)
+    def __set_name__(self, owner: type, name: str) -> None:
+        # AutoGraph calls an object by converting ``type(obj).__call__``'s source,
+        # which would bypass this wrapper; a class whose ``__call__`` is
+        # checkpointable is marked so that AutoGraph calls its instances as they are.
+        if name == "__call__":
+            owner.autograph_info__ = None  # type: ignore[attr-defined]
 
-    def __repr__(self) -> str:
-        return f"<checkpointable {self.__wrapped__!r}>"
+    # A function is copied as itself and pickled by reference; so is its wrapper.
+    def __copy__(self) -> CheckpointedFunction:
+        return self
 
+    def __deepcopy__(self, memo: dict) -> CheckpointedFunction:
+        return self
 
-def _is_symbolic(args: tuple, kwargs: dict) -> bool:
-    """A call on KerasTensors: Keras is building a functional graph."""
-    if args and isinstance(args[0], tf.Tensor):
-        return False  # the common case, decided without flattening the arguments
-    return any(isinstance(t, keras.KerasTensor) for t in keras.tree.flatten((args, kwargs)))
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        qualname: str = getattr(self.__wrapped__, "__qualname__", "")
+        found: Any = inspect.getmodule(self.__wrapped__)
+        for part in qualname.split("."):
+            found = getattr(found, part, None)
+        if found is self:  # a decorated module-level function: by name, like a function
+            return qualname
+        return CheckpointedFunction, (self.__wrapped__, self._self_options)

@@ -97,6 +97,13 @@ def apply_checkpointing(
             "object, e.g. apply_checkpointing(model, ['block_1'])."
         )
     candidates = model._flatten_layers(include_self=False, recursive=True)  # noqa: SLF001
+    if not candidates:
+        raise ValueError(
+            f"apply_checkpointing: `{model.name}` has no sublayers yet, so `select` has "
+            f"nothing to choose from; received select={select!r}. A model whose layers are "
+            "created in build() has none until it is built: build it first, e.g. "
+            "model.build(input_shape) or model(sample_batch), then call apply_checkpointing."
+        )
     matches = _matcher(select, candidates)
     chosen = _outermost([layer for layer in candidates if matches(layer)])
     if not chosen:
@@ -150,7 +157,10 @@ def _matcher(select: Selector, candidates: Sequence[keras.layers.Layer]) -> Call
     known = {layer.name for layer in candidates}
     missing = sorted(names - known)
     if missing:
-        hints = {n: difflib.get_close_matches(n, known, n=1) for n in missing}
+        # Suggest only close names of layers worth checkpointing (not `input_layer`).
+        suggestible = [layer.name for layer in candidates
+                       if not isinstance(layer, keras.layers.InputLayer)]
+        hints = {n: difflib.get_close_matches(n, suggestible, n=1, cutoff=0.7) for n in missing}
         hint = "; ".join(f"{n!r}: did you mean {h[0]!r}?" for n, h in hints.items() if h)
         raise ValueError(
             f"apply_checkpointing: argument `select` names layers that do not exist: "

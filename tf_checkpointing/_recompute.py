@@ -11,7 +11,8 @@ activation, and a data dependency on the incoming gradient so neither Grappler
 nor XLA can merge the replay back into the forward) and fixes the rest:
 
 * only floating tensor leaves of ``(args, kwargs)``, at any depth, become
-  inputs of the custom gradient; everything else (``None``, bools, strings,
+  inputs of the custom gradient (also inside composite tensors and
+  dataclasses, see ``_structure``); everything else (``None``, bools, strings,
   layers, integer tensors, variables) reaches the function untouched;
 * the replay runs with the state and seeds the forward saw (``_state``,
   ``_seeding``) and with the Keras call context (``training``) and autocast
@@ -38,6 +39,12 @@ from tf_checkpointing._control_flow import CaptureMap
 from tf_checkpointing._errors import ReplayMismatchError
 from tf_checkpointing._flags import checkpoint_scope, is_recomputing
 from tf_checkpointing._state import StateRecorder, replayed_state
+from tf_checkpointing._structure import (
+    Flattened,
+    is_differentiable,  # noqa: F401 (re-exported for planning)
+    refuse_chained_outputs,
+    refuse_opaque_outputs,
+)
 
 __all__: list[str] = []
 
@@ -53,11 +60,6 @@ def needs_checkpoint() -> bool:
     if pywrap_tfe.TFE_Py_TapeSetIsStopped():
         return False
     return not tf.executing_eagerly() or record.could_possibly_record()
-
-
-def is_differentiable(leaf: Any) -> bool:
-    """A floating (or complex) tensor: the leaves that get gradients."""
-    return isinstance(leaf, tf.Tensor) and (leaf.dtype.is_floating or leaf.dtype.is_complex)
 
 
 def checkpointed_call(
@@ -83,30 +85,39 @@ def checkpointed_call(
     Returns:
         What ``fn`` returns, with gradients defined by replaying ``fn``.
     """
-    leaves = tf.nest.flatten((args, kwargs))
-    positions = [i for i, leaf in enumerate(leaves) if is_differentiable(leaf)]
+    flat = Flattened((args, kwargs))
+    leaves = flat.leaves
+    positions = flat.differentiable
     if forwardprop_util.pack_tangents([leaves[i] for i in positions]).tangents:
         # A ForwardAccumulator watches the inputs: forward-mode autodiff keeps
         # no activations anyway, and would not see through a replay.
         return fn(*args, **kwargs)
     check = check or _check_mode_from_environment()
-    replay = _Replay(fn, (args, kwargs), leaves, positions, watch_vars, force_seed, check)
+    replay = _Replay(fn, flat, positions, watch_vars, force_seed, check)
     returned: dict[str, Any] = {}
 
     @tf.custom_gradient
     def forward(*inputs: tf.Tensor):
-        out = replay.run_forward(inputs)
-        out_leaves = tf.nest.flatten(out)
-        replay.note_outputs(out, out_leaves)
-        returned["out"], returned["leaves"] = out, out_leaves
-        return tuple(out_leaves[i] for i in replay.out_positions), replay.gradient
+        out = Flattened(replay.run_forward(inputs))
+        refuse_opaque_outputs(replay.name, out.leaves)
+        replay.note_outputs(out)
+        consumed, replay.consumed = replay.consumed, None
+        refuse_chained_outputs(replay.name, out.leaves, replay.out_positions, consumed,
+                               strict=bool(replay.check))
+        returned["out"] = out
+        outputs = tuple(out.leaves[i] for i in replay.out_positions)
+        # A graph-mode custom gradient needs at least one tensor to pass through
+        # (IdentityN of nothing is an error): a call with no floating input and no
+        # floating output gets one unused scalar.
+        return outputs or (tf.zeros([]),), replay.gradient
 
     forward.__name__ = getattr(fn, "__name__", "checkpointed")
     differentiable_outputs = forward(*[leaves[i] for i in positions])
-    out_leaves = list(returned.pop("leaves"))
+    out = returned.pop("out")
+    out_leaves = list(out.leaves)
     for i, tensor in zip(replay.out_positions, differentiable_outputs):
         out_leaves[i] = tensor
-    return tf.nest.pack_sequence_as(returned.pop("out"), out_leaves)
+    return out.pack(out_leaves)
 
 
 def _check_mode_from_environment() -> Any:
@@ -122,11 +133,11 @@ class _Replay:
     inputs, the state the forward saw, and the shape of its outputs. It holds no
     activation and no output of the forward (unless ``check="values"``)."""
 
-    def __init__(self, fn, structure, leaves, positions, watch_vars, force_seed, check):
+    def __init__(self, fn, flat, positions, watch_vars, force_seed, check):
         self.fn = fn
         self.name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", repr(fn))
-        self.structure = structure
-        self.leaves = leaves
+        self.flat = flat
+        self.leaves = flat.leaves
         self.positions = positions
         self.watch_vars = watch_vars
         self.call_seed = _seeding.draw_call_seed() if force_seed else None
@@ -137,12 +148,13 @@ class _Replay:
         self.out_positions: list[int] = []
         self.out_signature: Any = None
         self.out_values: Optional[list[tf.Tensor]] = None
+        self.consumed: Optional[dict[int, Any]] = None  # forward only
 
     def _call(self, inputs: Sequence[tf.Tensor]) -> Any:
         leaves = list(self.leaves)
         for i, tensor in zip(self.positions, inputs):
             leaves[i] = tensor
-        args, kwargs = tf.nest.pack_sequence_as(self.structure, leaves)
+        args, kwargs = self.flat.pack(leaves)
         return self.fn(*args, **kwargs)
 
     def _seeded(self) -> Any:
@@ -152,6 +164,7 @@ class _Replay:
 
     def run_forward(self, inputs: Sequence[tf.Tensor]) -> Any:
         guard = CaptureGuard(self.name, inputs)
+        self.consumed = guard.consumed
         # Inside an enclosing checkpoint's replay, this forward is part of a replay.
         with checkpoint_scope(recomputing=is_recomputing()), self.recorder:
             try:
@@ -159,19 +172,19 @@ class _Replay:
                     for variable in self.watch_vars:
                         tape_lib.variable_accessed(variable)  # into the custom gradient's list
                     out = self._call(inputs)
-                guard.check()  # outside stop_recording: asks whether a tape watches
+                guard.check(self.leaves)  # outside stop_recording: asks whether a tape watches
                 return out
             except BaseException:
                 if tf.executing_eagerly():
                     self.recorder.restore_before()
                 raise
 
-    def note_outputs(self, out: Any, out_leaves: list[Any]) -> None:
-        self.out_positions = [i for i, leaf in enumerate(out_leaves) if is_differentiable(leaf)]
+    def note_outputs(self, out: Flattened) -> None:
+        self.out_positions = out.differentiable
         if self.check:
             self.out_signature = _signature(out)
         if self.check == "values":
-            self.out_values = [out_leaves[i] for i in self.out_positions]
+            self.out_values = [out.leaves[i] for i in self.out_positions]
 
     def gradient(self, *output_grads: Optional[tf.Tensor], variables=None):
         variables = list(variables or ())
@@ -188,8 +201,8 @@ class _Replay:
             with tf.GradientTape(watch_accessed_variables=False) as tape:
                 tape.watch(inputs)
                 tape.watch(differentiable_vars)
-                out = self._call(inputs)
-            out_leaves = tf.nest.flatten(out)
+                out = Flattened(self._call(inputs))
+            out_leaves = out.leaves
             if self.check:
                 self._verify(out, out_leaves)
             targets, target_grads = [], []
@@ -207,7 +220,7 @@ class _Replay:
             return input_grads
         return input_grads, [by_variable.get(id(v)) for v in variables]
 
-    def _verify(self, out: Any, out_leaves: list[Any]) -> None:
+    def _verify(self, out: Flattened, out_leaves: list[Any]) -> None:
         replayed = _signature(out)
         if replayed != self.out_signature:
             raise ReplayMismatchError(
@@ -249,14 +262,14 @@ def _close(after: tf.Tensor, before: tf.Tensor) -> tf.Tensor:
     return tf.abs(after - before) <= 1e-6 + 1e-5 * tf.abs(before)
 
 
-def _signature(out: Any) -> Any:
+def _signature(out: Flattened) -> Any:
     def describe(leaf: Any) -> Any:
         if isinstance(leaf, tf.Tensor):
             return ("Tensor", tuple(leaf.shape.as_list()) if leaf.shape.rank is not None
                     else None, leaf.dtype.name)
         return type(leaf).__name__
 
-    return tf.nest.map_structure(describe, out)
+    return tf.nest.map_structure(describe, out.structure), [describe(x) for x in out.leaves]
 
 
 def _after_replay(variable_grads: Sequence[Any], all_grads: Sequence[Any]) -> list[Any]:
@@ -272,14 +285,10 @@ def _after_replay(variable_grads: Sequence[Any], all_grads: Sequence[Any]) -> li
     some gradient, so waiting for all of them restores the order. The probe is
     one element per gradient (gradients are alive anyway), not the replay's
     outputs, which would keep activations alive. (Eager runs in order.)"""
-    present = [g.values if isinstance(g, tf.IndexedSlices) else g
-               for g in all_grads if g is not None]
+    present = [g for g in all_grads if g is not None and g.dtype != tf.variant]
     if tf.executing_eagerly() or not present:
         return list(variable_grads)
-    probes = [tf.cast(tf.reshape(g, [-1])[:1], tf.float32) for g in present]
-    as_bool = tf.cast(tf.reduce_max(tf.concat(probes, 0)), tf.bool)
-    # Always zero (a bool equals itself), but no optimizer can prove it.
-    zero = tf.where(tf.equal(as_bool, as_bool), 0.0, float("nan"))
+    zero = _opaque_zero(present)
 
     def ordered(grad: Any) -> Any:
         if isinstance(grad, tf.IndexedSlices):
@@ -297,14 +306,30 @@ def _fresh_copies(inputs: list[tf.Tensor], output_grads: Sequence[Any]) -> list[
     with the forward by Grappler or XLA (which would keep every activation)."""
     if tf.executing_eagerly():
         return [tf.identity(x) for x in inputs]
-    grad = next((g for g in output_grads if g is not None), None)
+    grad = next((g for g in output_grads if g is not None and g.dtype != tf.variant), None)
     if grad is None:
         return [tf.identity(x) for x in inputs]
-    first = tf.reduce_max(tf.reshape(tf.convert_to_tensor(grad), [-1])[:1])
-    as_bool = tf.cast(first, tf.bool)
-    # Always zero (a bool equals itself), but XLA cannot prove it.
-    zero = tf.where(tf.equal(as_bool, as_bool), 0.0, float("nan"))
-    return [x + tf.cast(zero, x.dtype) for x in inputs]
+    zero = _opaque_zero([grad])
+    # A TensorArray's flow (a variant) cannot be added to: it is copied, and the
+    # other inputs carry the dependency on the gradient.
+    return [tf.identity(x) if x.dtype == tf.variant else x + tf.cast(zero, x.dtype)
+            for x in inputs]
+
+
+def _opaque_zero(grads: Sequence[Any]) -> tf.Tensor:
+    """A float32 zero that depends by data on one element of each gradient:
+    always zero (a bool equals itself), but neither Grappler nor XLA can prove
+    it. Complex gradients are probed through their real part, IndexedSlices
+    through their values (never densified)."""
+    probes = []
+    for grad in grads:
+        values = grad.values if isinstance(grad, tf.IndexedSlices) else grad
+        first = tf.reshape(values, [-1])[:1]
+        if first.dtype.is_complex:
+            first = tf.math.real(first)
+        probes.append(tf.cast(first, tf.float32))
+    as_bool = tf.cast(tf.reduce_max(tf.concat(probes, 0)), tf.bool)
+    return tf.where(tf.equal(as_bool, as_bool), 0.0, float("nan"))
 
 
 @contextlib.contextmanager

@@ -5,12 +5,18 @@ draw from a kernel's hidden state, which no variable exposes, so the replay
 would draw new numbers. With ``force_seed`` the forward and its replay are made
 to draw the same numbers, and each call still draws new ones:
 
-* eager: each call picks a fresh seed, runs the forward and the replay with it
-  as the global seed, and puts the user's global seed state back afterwards
-  (the user's own sequence of random numbers is not reset);
-* ``tf.function`` / XLA: each legacy random op built inside the call is
-  replaced by its stateless twin, seeded from one per-call seed tensor, drawn
-  in the forward and reused by the replay.
+* each legacy random op run inside the call is replaced by its stateless
+  twin, seeded from one per-call seed (drawn in the forward, reused by the
+  replay) folded with the op's index in the call;
+* ``tf.function`` / XLA: the ops built while tracing are swapped by an op
+  callback;
+* eager: op callbacks cannot change an eager op's outputs, so the
+  ``gen_random_ops`` functions that ``tf.random`` and ``tf.nn.dropout`` call
+  are hooked once: while (and only while) the current thread runs a
+  forced-seed call, they draw the stateless twin instead, and do not consume
+  the user's global-seed sequence. Everything is per thread: two threads using
+  ``force_seed`` at once never see each other's seeds (the process-wide global
+  seed is never touched).
 
 Keras random layers, ``keras.random`` with a ``SeedGenerator``,
 ``tf.random.Generator`` and stateless ops need none of this (see ``_state``).
@@ -19,13 +25,17 @@ Keras random layers, ``keras.random`` with a ``SeedGenerator``,
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import random
+import threading
 from collections.abc import Iterator
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import tensorflow as tf
 from tensorflow.python.eager import context
-from tensorflow.python.framework import op_callbacks
+from tensorflow.python.framework import op_callbacks, random_seed
+from tensorflow.python.ops import gen_random_ops
 
 __all__: list[str] = []
 
@@ -37,8 +47,8 @@ _seed_source_origin: Optional[int] = None
 
 
 def draw_call_seed() -> Any:
-    """A fresh seed for one checkpointed call: an int in eager mode, an int32
-    tensor of shape [2] inside a graph (drawn anew each time the graph runs)."""
+    """A fresh seed for one checkpointed call: an int32 tensor of shape [2]
+    (inside a graph, drawn anew each time the graph runs)."""
     global _seed_source_origin
     if not tf.executing_eagerly():
         return tf.random.uniform([2], maxval=_MAX_SEED, dtype=tf.int32)
@@ -46,33 +56,112 @@ def draw_call_seed() -> Any:
     if user_seed is not None and user_seed != _seed_source_origin:
         _seed_source.seed(user_seed)
         _seed_source_origin = user_seed
-    return _seed_source.randrange(_MAX_SEED)
+    return tf.constant([_seed_source.randrange(_MAX_SEED) for _ in range(2)], tf.int32)
 
 
 @contextlib.contextmanager
-def forced_seed(call_seed: Any) -> Iterator[None]:
+def forced_seed(call_seed: tf.Tensor) -> Iterator[None]:
     """Makes legacy stateful random ops in the body draw from ``call_seed``."""
-    if isinstance(call_seed, int):
-        with _eager_global_seed(call_seed):
-            yield
-    else:
-        rewriter = _StatelessRewriter(call_seed)
-        op_callbacks.add_op_callback(rewriter)
+    rewriter = _StatelessRewriter(call_seed)
+    if tf.executing_eagerly():
+        _install_eager_hooks()
+        saved, _local.rewriter = getattr(_local, "rewriter", None), rewriter
+        op_callbacks.add_op_callback(_refuse_random_ops_in_functions)
         try:
             yield
         finally:
-            op_callbacks.remove_op_callback(rewriter)
-
-
-@contextlib.contextmanager
-def _eager_global_seed(seed: int) -> Iterator[None]:
-    ctx = context.context()
-    saved = (ctx._seed, getattr(ctx, "_rng", None))  # noqa: SLF001
-    ctx._set_global_seed(seed)  # noqa: SLF001 (also clears the cached random kernels)
+            op_callbacks.remove_op_callback(_refuse_random_ops_in_functions)
+            _local.rewriter = saved
+        return
+    op_callbacks.add_op_callback(rewriter)
     try:
         yield
     finally:
-        ctx._seed, ctx._rng = saved  # noqa: SLF001 (restored, not re-seeded)
+        op_callbacks.remove_op_callback(rewriter)
+
+
+_local = threading.local()  # .rewriter: the eager forced-seed call this thread runs
+_hooks_installed = threading.Lock()
+
+
+def _active_rewriter() -> Optional[_StatelessRewriter]:
+    rewriter = getattr(_local, "rewriter", None)
+    return rewriter if rewriter is not None and tf.executing_eagerly() else None
+
+
+def _install_eager_hooks() -> None:
+    """Hooks the eager entry points of the legacy random ops, once per process.
+    Outside a forced-seed call of the current thread they behave unchanged."""
+    with _hooks_installed:
+        if getattr(random_seed.get_seed, "_tf_checkpointing_hook", False):
+            return
+        for name, op_type in _GEN_FUNCTIONS.items():
+            setattr(gen_random_ops, name, _hooked_random_op(getattr(gen_random_ops, name),
+                                                            op_type))
+        random_seed.get_seed = _hooked_get_seed(random_seed.get_seed)
+
+
+def _refuse_random_ops_in_functions(op_type, inputs, attrs, outputs, op_name=None, graph=None):
+    """Eager op callback: a ``tf.function`` called from an eager forced-seed call
+    runs its traced graph, whose legacy random ops keep their own kernel state
+    (no hook reaches them): its replay would draw other numbers, so refuse."""
+    if graph is None and _draws_legacy_random(op_type):
+        raise ValueError(
+            f"checkpointable: force_seed cannot replay the legacy random ops inside the "
+            f"tf.function `{op_type}` that this eager checkpointed call runs: its traced "
+            "graph draws from its own kernel state, so the replay would draw other "
+            "numbers and the gradient would be wrong. Use stateless ops, "
+            "tf.random.Generator or keras.random with a SeedGenerator inside it, or call "
+            "the checkpointed function inside the tf.function (there force_seed rewrites "
+            "each random op)."
+        )
+    return outputs
+
+
+@functools.lru_cache(maxsize=1024)
+def _draws_legacy_random(function_name: str) -> bool:
+    """Whether the registered function (or one it calls) has a legacy random op."""
+    ctx = context.context()
+    if not ctx.has_function(function_name):
+        return False
+    for node in ctx.get_function_def(function_name).node_def:
+        if node.op in _STATELESS_TWINS or _draws_legacy_random(node.op):
+            return True
+        for value in node.attr.values():  # functions called by name: bodies, branches
+            names = [value.func.name] + [f.name for f in value.list.func]
+            if any(name and _draws_legacy_random(name) for name in names):
+                return True
+    return False
+
+
+def _hooked_random_op(original: Callable[..., Any], op_type: str) -> Callable[..., Any]:
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def random_op(*args: Any, **kwargs: Any) -> Any:
+        rewriter = _active_rewriter()
+        if rewriter is None:
+            return original(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs).arguments
+        if op_type == "RandomUniformInt":
+            inputs = [bound["shape"], tf.convert_to_tensor(bound["minval"]), bound["maxval"]]
+            dtype = inputs[1].dtype
+        else:
+            inputs, dtype = [bound["shape"]], tf.as_dtype(bound["dtype"])
+        return rewriter.draw(op_type, inputs, dtype)
+
+    return random_op
+
+
+def _hooked_get_seed(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def get_seed(op_seed: Any) -> Any:
+        if _active_rewriter() is None:
+            return original(op_seed)
+        return None, None  # the draw is replaced: leave the user's seed sequence alone
+
+    get_seed._tf_checkpointing_hook = True  # type: ignore[attr-defined]
+    return get_seed
 
 
 class _StatelessRewriter:
@@ -84,12 +173,15 @@ class _StatelessRewriter:
         self._count = 0
 
     def __call__(self, op_type, inputs, attrs, outputs, op_name=None, graph=None):
-        make = _STATELESS_TWINS.get(op_type)
-        if make is None or graph is None or outputs is None:
+        if op_type not in _STATELESS_TWINS or graph is None or outputs is None:
             return outputs  # unchanged (see _state.StateRecorder._on_op)
+        return [self.draw(op_type, inputs, outputs[0].dtype)]
+
+    def draw(self, op_type: str, inputs: list[Any], dtype: tf.DType) -> tf.Tensor:
+        """The stateless twin of the call's next legacy random op."""
         seed = tf.random.experimental.stateless_fold_in(self._call_seed, self._count)
         self._count += 1
-        return [make(inputs, outputs[0].dtype, seed)]
+        return _STATELESS_TWINS[op_type](inputs, dtype, seed)
 
 
 _STATELESS_TWINS = {
@@ -103,4 +195,11 @@ _STATELESS_TWINS = {
     "RandomUniformInt": lambda i, dtype, seed: tf.random.stateless_uniform(
         i[0], seed, minval=i[1], maxval=i[2], dtype=dtype
     ),
+}
+
+_GEN_FUNCTIONS = {
+    "random_uniform": "RandomUniform",
+    "random_standard_normal": "RandomStandardNormal",
+    "truncated_normal": "TruncatedNormal",
+    "random_uniform_int": "RandomUniformInt",
 }

@@ -1,0 +1,88 @@
+"""A block that returns ``h`` and ``y = f(h)``: gradients with respect to its
+inputs and variables are exact; a gradient with respect to ``h`` itself cannot
+be, so it is detected: an error in the check mode, a warning (once per
+function) otherwise (issue 10, case 6)."""
+
+import warnings
+
+import pytest
+import tensorflow as tf
+from conftest import compile_step
+from helpers import assert_all_close
+
+from tf_checkpointing import _structure, checkpointable
+
+
+def block(x, w):
+    h = tf.sin(x * w)
+    return h, h * h * 3.0
+
+
+def _step(fn, mode, source):
+    w = tf.Variable(1.5, name="w")
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            h, y = fn(x, w)
+            loss = tf.reduce_sum(h + y)
+        return loss, tape.gradient(loss, [x, w] if source == "inputs" else [h])
+
+    return compile_step(step, mode)
+
+
+def test_gradients_for_inputs_and_variables_are_exact(mode):
+    x = tf.constant([0.3, 1.2])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ours = _step(checkpointable(block, checkpoint=True), mode, "inputs")(x)
+    assert_all_close(ours, _step(block, mode, "inputs")(x))
+
+
+def test_the_check_mode_refuses_an_output_that_feeds_another(mode):
+    wrapped = checkpointable(block, checkpoint=True, check=True)
+    with pytest.raises(ValueError, match=r"output\(s\) \[0\].*tape\.gradient\(loss, output\).*"
+                                         r"split the block into two checkpointed calls"):
+        _step(wrapped, mode, "output")(tf.constant([0.3, 1.2]))
+
+
+def test_a_warning_once_per_function(mode):
+    _structure._warned_chained.discard("block")
+    wrapped = checkpointable(block, checkpoint=True)
+    with pytest.warns(UserWarning, match="would miss the path through the outputs"):
+        _step(wrapped, mode, "output")(tf.constant([0.3, 1.2]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _step(wrapped, mode, "output")(tf.constant([0.3, 1.2]))  # run again, no warning
+
+
+def test_independent_outputs_are_not_flagged(mode):
+    def two_heads(x, w):
+        h = tf.sin(x * w)
+        return tf.cos(h), h * 2.0  # h itself is not returned
+
+    x = tf.constant([0.3, 1.2])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ours = _step(checkpointable(two_heads, checkpoint=True, check=True), mode, "inputs")(x)
+    assert_all_close(ours, _step(two_heads, mode, "inputs")(x))
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])  # ragged ops do not compile with XLA
+def test_a_ragged_output_is_not_flagged_by_its_shape_checks(mode):
+    splits = tf.constant([0, 1, 3], tf.int64)
+    body = lambda x: tf.RaggedTensor.from_row_splits(tf.sin(x), splits)  # noqa: E731
+
+    def step(fn):
+        def run(x):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                loss = tf.reduce_sum(fn(x).flat_values ** 2)
+            return loss, tape.gradient(loss, x)
+        return compile_step(run, mode)
+
+    x = tf.constant([0.2, 0.7, 0.1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ours = step(checkpointable(body, checkpoint=True, check=True))(x)
+    assert_all_close(ours, step(body)(x))

@@ -1,0 +1,190 @@
+"""Flattening the arguments and outputs of a checkpointed call to tensors.
+
+A checkpointed call can only pass gradients to the tensors it sees. ``tf.nest``
+sees lists, tuples, dicts, namedtuples and ``attrs`` classes; two common kinds
+of value hide tensors from it, and each used to lose gradients silently:
+
+* composite tensors (``tf.RaggedTensor``, ``tf.SparseTensor``,
+  ``tf.IndexedSlices``, ``tf.experimental.ExtensionType``) are opaque leaves
+  unless flattened with ``expand_composites=True``; we expand them to their
+  component tensors, so their float values get exact gradients. Variables are
+  composite tensors too, but are kept whole (the function must receive the
+  variable, not its handle);
+* a ``tf.TensorArray`` inside a graph is its ``flow`` tensor (a variant that
+  carries gradients); it is expanded to it and rebuilt around the new flow.
+  (An eager TensorArray keeps Python lists of tensors: it cannot be expanded,
+  and a call that uses it gets the capture guard's error naming it);
+* ``dataclasses.dataclass`` instances (which neither ``tf.nest`` nor
+  ``keras.tree`` flatten): we flatten their fields and rebuild a copy with the
+  new values.
+
+Any other object that holds floating tensors in its attributes cannot be seen
+into; returned from a checkpointed call it would cut the gradient, so
+:func:`refuse_opaque_outputs` raises an error naming its type and the fix.
+
+An output that the call also used to compute its other outputs (``h`` and
+``y = f(h)``) is, for the outer tape, independent of them: gradients with
+respect to the call's inputs and variables are exact, but
+``tape.gradient(loss, h)`` would miss the path through ``y``.
+:func:`refuse_chained_outputs` raises in the check mode and warns (once per
+function) otherwise.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import warnings
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import tensorflow as tf
+from tensorflow.python.ops import tensor_array_ops
+
+__all__: list[str] = []
+
+# Composite tensors expanded to their components. Not every CompositeTensor:
+# a tf.Variable, a tf.data.Dataset or an iterator must reach the function whole.
+_EXPANDED = (tf.RaggedTensor, tf.SparseTensor, tf.IndexedSlices, tf.experimental.ExtensionType)
+
+
+def _is_dataclass_instance(leaf: Any) -> bool:
+    return dataclasses.is_dataclass(leaf) and not isinstance(leaf, type)
+
+
+def _dataclass_fields(leaf: Any) -> dict[str, Any]:
+    return {field.name: getattr(leaf, field.name) for field in dataclasses.fields(leaf)}
+
+
+def is_differentiable(leaf: Any) -> bool:
+    """A floating (or complex) tensor: the leaves that get gradients."""
+    return isinstance(leaf, tf.Tensor) and (leaf.dtype.is_floating or leaf.dtype.is_complex)
+
+
+def _is_graph_tensor_array(leaf: Any) -> bool:
+    return isinstance(leaf, tf.TensorArray) and not tf.executing_eagerly()
+
+
+class Flattened:
+    """``structure`` as a flat list of leaves (tensors and other values), and
+    the way back: ``pack(leaves)`` rebuilds the structure around new leaves.
+    ``differentiable`` lists the positions of the leaves that get gradients."""
+
+    def __init__(self, structure: Any) -> None:
+        self.structure = structure
+        outer = tf.nest.flatten(structure)
+        self._parts: list[tuple[Any, Any, int]] | None = None
+        flows: set[int] = set()
+        if not any(isinstance(leaf, _EXPANDED) or _is_dataclass_instance(leaf)
+                   or _is_graph_tensor_array(leaf) for leaf in outer):
+            self.leaves = outer  # the common case: tf.nest sees everything
+            self.differentiable = [i for i, x in enumerate(outer) if is_differentiable(x)]
+            return
+        self._parts, self.leaves = [], []
+        for leaf in outer:
+            if _is_graph_tensor_array(leaf):
+                flows.add(len(self.leaves))
+                inner: Any = [leaf.flow]
+            elif isinstance(leaf, _EXPANDED):
+                inner = tf.nest.flatten(leaf, expand_composites=True)
+            elif _is_dataclass_instance(leaf):
+                inner = Flattened(_dataclass_fields(leaf))
+            else:
+                inner = None
+            parts = [leaf] if inner is None else getattr(inner, "leaves", inner)
+            if isinstance(inner, Flattened):
+                flows.update(len(self.leaves) + i for i in inner.differentiable
+                             if not is_differentiable(inner.leaves[i]))
+            self._parts.append((leaf, inner, len(parts)))
+            self.leaves.extend(parts)
+        self.differentiable = [i for i, x in enumerate(self.leaves)
+                               if i in flows or is_differentiable(x)]
+
+    def pack(self, leaves: Sequence[Any]) -> Any:
+        if self._parts is None:
+            return tf.nest.pack_sequence_as(self.structure, list(leaves))
+        outer, start = [], 0
+        for leaf, inner, count in self._parts:
+            part = list(leaves[start:start + count])
+            start += count
+            if isinstance(inner, Flattened):
+                outer.append(_rebuilt_dataclass(leaf, inner.pack(part)))
+            elif _is_graph_tensor_array(leaf):
+                outer.append(tensor_array_ops.build_ta_with_new_flow(leaf, part[0]))
+            elif inner is not None:
+                outer.append(tf.nest.pack_sequence_as(leaf, part, expand_composites=True))
+            else:
+                outer.append(part[0])
+        return tf.nest.pack_sequence_as(self.structure, outer)
+
+
+def _rebuilt_dataclass(template: Any, fields: dict[str, Any]) -> Any:
+    """A shallow copy of ``template`` with new field values (also for frozen
+    dataclasses and fields with ``init=False``, which ``dataclasses.replace``
+    refuses)."""
+    rebuilt = copy.copy(template)
+    for name, value in fields.items():
+        object.__setattr__(rebuilt, name, value)
+    return rebuilt
+
+
+def refuse_opaque_outputs(name: str, leaves: Sequence[Any]) -> None:
+    """Raises if an output leaf is an object that holds floating tensors in its
+    attributes: their gradients would be silently lost."""
+    for leaf in leaves:
+        if isinstance(leaf, (tf.Tensor, tf.Variable, str, bytes, int, float, bool)) \
+                or leaf is None:
+            continue
+        attributes = getattr(leaf, "__dict__", None)
+        if not isinstance(attributes, dict):
+            continue
+        held = [key for key, value in attributes.items() if _holds_float_tensor(value)]
+        if held:
+            kind = f"{type(leaf).__module__}.{type(leaf).__qualname__}"
+            raise TypeError(
+                f"checkpointable: `{name}` returned an object of type {kind} that holds "
+                f"tensors in its attributes {held}. A checkpointed call passes gradients "
+                "only through the tensors it can see, so these would get none. Return "
+                "the tensors in a tuple, list, dict, namedtuple, dataclass or attrs class "
+                "(or make the type a tf.experimental.ExtensionType), or call it with "
+                "_checkpoint=False."
+            )
+
+
+def _holds_float_tensor(value: Any) -> bool:
+    if isinstance(value, tf.Variable):
+        return False  # a layer or a module: its variables get gradients anyway
+    return any(isinstance(t, tf.Tensor) and (t.dtype.is_floating or t.dtype.is_complex)
+               for t in tf.nest.flatten(value, expand_composites=False))
+
+
+_warned_chained: set[str] = set()
+
+
+def _alive(ref: Any) -> Any:
+    return None if ref is None else ref()
+
+
+def refuse_chained_outputs(name: str, leaves: Sequence[Any], positions: Sequence[int],
+                           consumed: Optional[dict[int, Any]], strict: bool) -> None:
+    """Raises (``strict``) or warns once if a differentiable output was also
+    consumed by an op of the call, i.e. feeds its other outputs."""
+    if not consumed:
+        return
+    chained = [k for k, i in enumerate(positions)
+               if _alive(consumed.get(id(leaves[i]))) is leaves[i]]
+    if not chained or (not strict and name in _warned_chained):
+        return
+    message = (
+        f"checkpointable: `{name}` returns differentiable output(s) {chained} (in flattened "
+        "order) that it also uses to compute its other outputs. For the outer tape the "
+        "outputs of a checkpointed call are independent, so tape.gradient(loss, output) "
+        "for such an output would miss the path through the outputs computed from it "
+        "(gradients with respect to the call's inputs and variables are exact). Return "
+        "only the final outputs, split the block into two checkpointed calls (the second "
+        "taking that output as an argument), or call it with _checkpoint=False."
+    )
+    if strict:
+        raise ValueError(message)
+    _warned_chained.add(name)
+    warnings.warn(message, UserWarning, stacklevel=2)
