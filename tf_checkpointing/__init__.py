@@ -7,10 +7,12 @@ gives exact gradients.
     def block(x, training=None): ...
 """
 
+from tf_checkpointing import policies
 from tf_checkpointing._decorator import checkpointable
 from tf_checkpointing._flags import is_checkpointing, is_recomputing
 from tf_checkpointing._keras import apply_checkpointing
 from tf_checkpointing._memory import MemoryStats, measure, peak_memory
+from tf_checkpointing._saving import checkpoint_name
 from tf_checkpointing._sequential import CheckpointedSequential, checkpoint_sequential
 from tf_checkpointing.planning import Segment, SequentialPlan, plan_sequential
 
@@ -22,6 +24,7 @@ __all__ = [
     "Segment",
     "SequentialPlan",
     "apply_checkpointing",
+    "checkpoint_name",
     "checkpoint_sequential",
     "checkpointable",
     "is_checkpointing",
@@ -29,4 +32,5 @@ __all__ = [
     "measure",
     "peak_memory",
     "plan_sequential",
+    "policies",
 ]

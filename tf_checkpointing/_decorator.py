@@ -24,6 +24,7 @@ import keras
 import tensorflow as tf
 import wrapt
 
+from tf_checkpointing import policies
 from tf_checkpointing._recompute import checkpointed_call, needs_checkpoint
 
 __all__: list[str] = []
@@ -31,7 +32,7 @@ __all__: list[str] = []
 F = TypeVar("F", bound=Callable[..., Any])
 CheckMode = Union[bool, str]
 
-_OPTION_NAMES = frozenset(("_checkpoint", "_watch_vars", "_force_seed"))
+_OPTION_NAMES = frozenset(("_checkpoint", "_watch_vars", "_force_seed", "_policy"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,18 +40,20 @@ class _Options:
     checkpoint: bool
     force_seed: bool
     check: CheckMode
+    policy: Any = None
 
 
 @overload
 def checkpointable(
-    fn: F, *, checkpoint: bool = False, force_seed: bool = False, check: CheckMode = False
+    fn: F, *, checkpoint: bool = False, force_seed: bool = False, check: CheckMode = False,
+    policy: Optional[policies.Policy] = None,
 ) -> F: ...
 
 
 @overload
 def checkpointable(
     fn: None = None, *, checkpoint: bool = False, force_seed: bool = False,
-    check: CheckMode = False,
+    check: CheckMode = False, policy: Optional[policies.Policy] = None,
 ) -> Callable[[F], F]: ...
 
 
@@ -60,6 +63,7 @@ def checkpointable(
     checkpoint: bool = False,
     force_seed: bool = False,
     check: CheckMode = False,
+    policy: Optional[policies.Policy] = None,
 ) -> Any:
     """Makes a function, method or Keras layer checkpointable.
 
@@ -82,12 +86,18 @@ def checkpointable(
             structure, shapes and dtypes, ``"values"`` compares values too
             (keeps the outputs alive until backprop). The environment variable
             ``TF_CHECKPOINTING_CHECK=1`` (or ``values``) turns it on everywhere.
+        policy: a save policy from :mod:`tf_checkpointing.policies` (or any
+            callable taking a ``policies.OpOutput`` and returning a bool): also
+            keep the results it picks (e.g. ``policies.dots_saveable``: matrix
+            products and convolutions) so that the replay reuses them instead of
+            recomputing them. None (default) keeps only the inputs.
 
     Call-time keywords, consumed by the wrapper and never passed on:
         _checkpoint: bool, or None for the decorator's default.
         _watch_vars: extra ``tf.Variable`` / ``keras.Variable`` objects to
             differentiate (variables read inside are already captured).
         _force_seed: bool, or None for the decorator's default.
+        _policy: a save policy, or None for the decorator's default.
 
     Returns:
         The wrapped callable (for a layer: the same layer, checkpointed).
@@ -110,6 +120,7 @@ def checkpointable(
         checkpoint=_expect_bool("checkpoint", checkpoint, "checkpointable(..., checkpoint=True)"),
         force_seed=_expect_bool("force_seed", force_seed, "checkpointable(..., force_seed=True)"),
         check=_expect_check(check),
+        policy=policies.resolve(policy),
     )
     if fn is None:
         return lambda target: _wrap(target, options)
@@ -141,12 +152,16 @@ def _make_wrapper(options: _Options) -> Callable[..., Any]:
 def dispatch(fn: Callable[..., Any], args: tuple, kwargs: dict, options: _Options) -> Any:
     """Runs one call: directly, or checkpointed."""
     checkpoint, force_seed, watch_vars = options.checkpoint, options.force_seed, ()
+    policy = options.policy
     if kwargs and not _OPTION_NAMES.isdisjoint(kwargs):
         checkpoint, force_seed, watch_vars = _pop_call_options(kwargs, options)
-    if not checkpoint or not needs_checkpoint():
+        given = kwargs.pop("_policy", None)
+        policy = policy if given is None else policies.resolve(given, "_policy")
+    if not checkpoint or not needs_checkpoint() or policy is policies.everything_saveable:
         return fn(*args, **kwargs)
     return checkpointed_call(
-        fn, args, kwargs, watch_vars=watch_vars, force_seed=force_seed, check=options.check
+        fn, args, kwargs, watch_vars=watch_vars, force_seed=force_seed, check=options.check,
+        policy=policy,
     )
 
 

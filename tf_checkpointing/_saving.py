@@ -1,0 +1,190 @@
+"""Keep what a save policy chooses in the forward; reuse it in the replay.
+
+Forward (inside a graph): an op callback sees every op the checkpointed function
+creates, in order, asks the policy about each floating output, and records the
+kept tensors. Replay: the same callback position sees the replayed op and
+returns ``tf.identity(kept forward tensor)`` in place of its outputs. The
+generated op wrappers (``gen_*_ops``) hand the callback's tensors, not the op's
+own outputs, both to the code that follows and to the tape
+(``record_gradient(op_type, op.inputs, attrs, outputs)``), and the tape computes
+the gradient with the op's registered gradient function on a mock op made of
+those inputs and outputs. So downstream ops read the kept value, gradients still
+flow through the op to its inputs and the variables they read (a ``MatMul``'s
+gradient needs only its inputs), and the replayed op itself has no consumer:
+``tf.function`` prunes it and XLA drops it. Its work is gone from the backward.
+
+Replayed ops are matched to recorded ones by position, op type and output
+shapes; a mismatch (a function that builds another graph when replayed) stops
+the substitution for the rest of that replay, which then recomputes: slower,
+never wrong.
+
+Eager execution runs each op before any callback sees it and cannot take a
+replacement value, so in eager mode nothing extra is kept and the replay
+recomputes everything (the policy changes neither memory nor time there).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any, Callable, Optional
+
+import tensorflow as tf
+from tensorflow.python.framework import op_callbacks
+
+from tf_checkpointing import policies
+from tf_checkpointing._flags import is_checkpointing
+
+__all__ = ["checkpoint_name"]
+
+# Ops whose outputs must not be replaced (TensorFlow's op-callback limitation for
+# functional control flow) or that are themselves calls of other graphs.
+_NOT_REPLACEABLE = frozenset((
+    "If", "StatelessIf", "While", "StatelessWhile", "Case", "StatelessCase",
+    "PartitionedCall", "StatefulPartitionedCall", "Placeholder", "Const",
+))
+
+_pending = threading.local()
+
+
+def checkpoint_name(x: Any, name: str) -> Any:
+    """Names a tensor inside a checkpointed function, so that a policy such as
+    :func:`~tf_checkpointing.policies.save_only_these_names` can keep it.
+
+    Outside a checkpointed call it returns ``x`` itself (no op is added).
+
+    Args:
+        x: a tensor (or any nest of tensors) computed inside the function.
+        name: the name policies see (``OpOutput.name``).
+
+    Returns:
+        ``x`` (inside a checkpointed call: an identity of it carrying the name).
+
+    Example:
+        >>> import tensorflow as tf
+        >>> from tf_checkpointing import checkpoint_name
+        >>> x = tf.ones([2])
+        >>> checkpoint_name(x, "q") is x
+        True
+    """
+    if not isinstance(name, str):
+        raise TypeError(
+            "checkpoint_name: argument `name` must be a str; received "
+            f"{name!r} of type {type(name).__name__}. Pass e.g. checkpoint_name(q, 'q_proj')."
+        )
+    if not is_checkpointing():
+        return x
+    previous = getattr(_pending, "name", None)
+    _pending.name = name
+    try:
+        return tf.nest.map_structure(
+            lambda t: tf.identity(t) if isinstance(t, tf.Tensor) else t, x)
+    finally:
+        _pending.name = previous
+
+
+def candidate_outputs(op_type: str, inputs: Any, outputs: Any, op_name: Optional[str],
+                      graph: Any) -> Optional[list[policies.OpOutput]]:
+    """The records a policy is asked about for one op, or None if the op can
+    neither be kept nor replaced (control flow, variable access, no outputs)."""
+    if not outputs or op_type in _NOT_REPLACEABLE:
+        return None
+    if any(getattr(t, "dtype", None) in (tf.resource, tf.variant) for t in inputs):
+        return None
+    name = getattr(_pending, "name", None) if op_type == "Identity" else None
+    attrs = {}
+    if op_type == "Einsum" and graph is not None and op_name is not None:
+        attrs["equation"] = graph.get_operation_by_name(op_name).get_attr("equation")
+    input_shapes = tuple(t.shape for t in inputs)
+    return [
+        policies.OpOutput(op_type, op_name, name, t.shape, t.dtype, input_shapes, i, attrs)
+        for i, t in enumerate(outputs)
+    ]
+
+
+def keeps(policy: Callable[[policies.OpOutput], Any], record: policies.OpOutput) -> bool:
+    """Asks the policy about one floating tensor (integer and boolean results,
+    such as shapes and masks, are never kept: they are cheap or not
+    differentiable)."""
+    if not (record.dtype.is_floating or record.dtype.is_complex):
+        return False
+    return bool(policy(record))
+
+
+class Saver:
+    """The kept tensors of one checkpointed call, used by its forward and replays.
+
+    ``active()`` around the function body records on the first (forward) call
+    and substitutes on the following (replay) calls.
+    """
+
+    def __init__(self, policy: Callable[[policies.OpOutput], Any]) -> None:
+        self.policy = policy
+        # Per candidate op, in creation order: (op type, output shapes, kept
+        # outputs by index). Tensors of a graph: they cost nothing here, the
+        # graph keeps the ones the backward reads.
+        self.ops: list[tuple[str, tuple, dict[int, tf.Tensor]]] = []
+        self.recorded = False
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        if tf.executing_eagerly():
+            yield  # eager: see the module docstring
+            return
+        callback = _Substitute(self) if self.recorded else _Record(self)
+        self.recorded = True
+        op_callbacks.add_op_callback(callback)
+        try:
+            yield
+        finally:
+            op_callbacks.remove_op_callback(callback)
+
+    @property
+    def kept(self) -> list[tf.Tensor]:
+        return [t for _, _, kept in self.ops for t in kept.values()]
+
+
+class _Record:
+    def __init__(self, saver: Saver) -> None:
+        self.saver = saver
+        self.graph = tf.compat.v1.get_default_graph()
+
+    def __call__(self, op_type, inputs, attrs, outputs, op_name=None, graph=None):
+        if graph is not self.graph:
+            return outputs
+        records = candidate_outputs(op_type, inputs, outputs, op_name, graph)
+        if records is None:
+            return outputs
+        kept = {r.index: outputs[r.index] for r in records if keeps(self.saver.policy, r)}
+        self.saver.ops.append((op_type, tuple(tuple(t.shape) for t in outputs), kept))
+        return outputs
+
+
+class _Substitute:
+    def __init__(self, saver: Saver) -> None:
+        self.saver = saver
+        self.graph = tf.compat.v1.get_default_graph()
+        self.position = 0
+        self.broken = False
+
+    def __call__(self, op_type, inputs, attrs, outputs, op_name=None, graph=None):
+        if self.broken or graph is not self.graph:
+            return outputs
+        if candidate_outputs(op_type, inputs, outputs, op_name, graph) is None:
+            return outputs
+        ops = self.saver.ops
+        if self.position >= len(ops):
+            self.broken = True
+            return outputs
+        recorded_type, shapes, kept = ops[self.position]
+        self.position += 1
+        if recorded_type != op_type or shapes != tuple(tuple(t.shape) for t in outputs):
+            self.broken = True  # another graph than the forward's: recompute
+            return outputs
+        if not kept:
+            return outputs
+        return [tf.identity(kept[i]) if i in kept else t for i, t in enumerate(outputs)]
+
+
+NO_SAVER: Any = type("_NoSaver", (), {"active": staticmethod(contextlib.nullcontext)})()
