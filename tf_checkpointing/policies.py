@@ -147,6 +147,7 @@ def save_only_these_names(*names: str) -> Policy:
         return out.name is not None and out.name in wanted
 
     policy.__name__ = policy.__qualname__ = f"save_only_these_names{tuple(sorted(wanted))}"
+    policy._config = ("save_only_these_names", sorted(wanted))  # type: ignore[attr-defined]
     return policy
 
 
@@ -161,6 +162,7 @@ def save_anything_except_these_names(*names: str) -> Policy:
 
     policy.__name__ = policy.__qualname__ = (
         f"save_anything_except_these_names{tuple(sorted(unwanted))}")
+    policy._config = ("save_anything_except_these_names", sorted(unwanted))  # type: ignore
     return policy
 
 
@@ -192,6 +194,34 @@ def resolve(policy: Any, argument: str = "policy") -> Optional[Policy]:
         f"tf_checkpointing.policies.dots_saveable); received {policy!r} of type "
         f"{type(policy).__name__}. Pass e.g. {fix}."
     )
+
+
+def to_config(policy: Optional[Policy]) -> Any:
+    """A policy as a config value (for ``get_config``): None, the name of a
+    policy of this module, ``[factory, names]``, or a Keras-serialized function."""
+    if policy is None:
+        return None
+    if hasattr(policy, "_config"):
+        return list(policy._config)
+    if getattr(_module(), getattr(policy, "__name__", ""), None) is policy:
+        return policy.__name__
+    import keras
+
+    return keras.saving.serialize_keras_object(policy)
+
+
+def from_config(config: Any) -> Any:
+    """The inverse of :func:`to_config` (anything else is returned as is)."""
+    if isinstance(config, str) and config in __all__ and config != "OpOutput":
+        return getattr(_module(), config)
+    if isinstance(config, (list, tuple)) and len(config) == 2 and config[0] in (
+            "save_only_these_names", "save_anything_except_these_names"):
+        return getattr(_module(), config[0])(*config[1])
+    if isinstance(config, dict):
+        import keras
+
+        return keras.saving.deserialize_keras_object(config)
+    return config
 
 
 def _module() -> Any:
