@@ -10,6 +10,7 @@ from conftest import compile_step
 from helpers import assert_all_close
 
 from tf_checkpointing import checkpoint_name, checkpointable, policies
+from tf_checkpointing._residuals import _executed  # the ops a tf.function runs
 
 DOTS = ("MatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum")
 
@@ -79,18 +80,6 @@ def test_policy_matches_plain(name, mode):
     # BatchNorm statistics and the dropout seed state: updated once, as plain.
     assert_all_close([v.numpy() for v in block.variables], plain_state)
     assert any(not np.array_equal(a, b) for a, b in zip(start, plain_state))
-
-
-def _executed(graph):
-    """The ops a tf.function runs: the ancestors of its outputs and control outputs
-    (TensorFlow prunes the rest before running the function)."""
-    seen, stack = set(), [t.op for t in graph.outputs] + list(graph.control_outputs)
-    while stack:
-        op = stack.pop()
-        if op not in seen:
-            seen.add(op)
-            stack.extend([t.op for t in op.inputs] + list(op.control_inputs))
-    return seen
 
 
 def _dot_count(policy, checkpoint):

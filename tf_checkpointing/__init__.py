@@ -12,6 +12,7 @@ from tf_checkpointing._decorator import checkpointable
 from tf_checkpointing._flags import is_checkpointing, is_recomputing
 from tf_checkpointing._keras import apply_checkpointing
 from tf_checkpointing._memory import MemoryStats, measure, peak_memory
+from tf_checkpointing._residuals import Residual, print_saved_residuals, saved_residuals
 from tf_checkpointing._saving import checkpoint_name
 from tf_checkpointing._sequential import CheckpointedSequential, checkpoint_sequential
 from tf_checkpointing.planning import Segment, SequentialPlan, plan_sequential
@@ -21,6 +22,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CheckpointedSequential",
     "MemoryStats",
+    "Residual",
     "Segment",
     "SequentialPlan",
     "apply_checkpointing",
@@ -33,4 +35,6 @@ __all__ = [
     "peak_memory",
     "plan_sequential",
     "policies",
+    "print_saved_residuals",
+    "saved_residuals",
 ]

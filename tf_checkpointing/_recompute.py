@@ -150,7 +150,7 @@ class _Replay:
         for i, tensor in zip(self.positions, inputs):
             leaves[i] = tensor
         args, kwargs = tf.nest.pack_sequence_as(self.structure, leaves)
-        with self.saver.active():  # keeps (forward) or reuses (replay) a policy's picks
+        with self.saver.active(inputs):  # keeps (forward) or reuses (replay) a policy's picks
             return self.fn(*args, **kwargs)
 
     def _seeded(self) -> Any:

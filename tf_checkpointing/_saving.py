@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, Callable, Optional
 
 import tensorflow as tf
 from tensorflow.python.framework import op_callbacks
 
-from tf_checkpointing import policies
+from tf_checkpointing import _residuals, policies
 from tf_checkpointing._flags import is_checkpointing
 
 __all__ = ["checkpoint_name"]
@@ -78,10 +78,18 @@ def checkpoint_name(x: Any, name: str) -> Any:
     previous = getattr(_pending, "name", None)
     _pending.name = name
     try:
-        return tf.nest.map_structure(
-            lambda t: tf.identity(t) if isinstance(t, tf.Tensor) else t, x)
+        return tf.nest.map_structure(lambda t: _named(t, name), x)
     finally:
         _pending.name = previous
+
+
+def _named(x: Any, name: str) -> Any:
+    if not isinstance(x, tf.Tensor):
+        return x
+    y = tf.identity(x)
+    if not tf.executing_eagerly():  # for saved_residuals' listing
+        _residuals.checkpoint_names.setdefault(y.graph, {})[y.op.name] = name
+    return y
 
 
 def candidate_outputs(op_type: str, inputs: Any, outputs: Any, op_name: Optional[str],
@@ -128,11 +136,14 @@ class Saver:
         self.recorded = False
 
     @contextlib.contextmanager
-    def active(self) -> Iterator[None]:
+    def active(self, inputs: Sequence[tf.Tensor] = ()) -> Iterator[None]:
+        """Records in the forward, substitutes in a replay. ``inputs``: the
+        call's tensor inputs; in a replay they depend on the incoming gradient,
+        and so will the substituted values (see ``_Substitute``)."""
         if tf.executing_eagerly():
             yield  # eager: see the module docstring
             return
-        callback = _Substitute(self) if self.recorded else _Record(self)
+        callback = _Substitute(self, inputs) if self.recorded else _Record(self)
         self.recorded = True
         op_callbacks.add_op_callback(callback)
         try:
@@ -162,11 +173,30 @@ class _Record:
 
 
 class _Substitute:
-    def __init__(self, saver: Saver) -> None:
+    """Replaces kept ops' outputs in a replay by ``kept + zero``, where ``zero``
+    is computed from the replay's inputs, which depend on the incoming gradient
+    (``_recompute._fresh_copies``). Without that dependency the ops downstream
+    of a kept tensor would depend on forward tensors only, and the executor or
+    XLA would run them during the forward and hold their results until the
+    backward: more memory than no checkpointing at all."""
+
+    def __init__(self, saver: Saver, inputs: Sequence[tf.Tensor]) -> None:
         self.saver = saver
         self.graph = tf.compat.v1.get_default_graph()
         self.position = 0
         self.broken = False
+        self.anchor = next((t for t in inputs if t.shape.num_elements() != 0), None)
+        self.zero: Optional[tf.Tensor] = None
+
+    def _after_gradient(self, kept: tf.Tensor) -> tf.Tensor:
+        if self.anchor is None:
+            return tf.identity(kept)
+        if self.zero is None:
+            first = tf.reshape(self.anchor, [-1])[:1]
+            as_bool = tf.cast(tf.reduce_max(tf.cast(first, tf.float32)), tf.bool)
+            # Always zero (a bool equals itself), but no optimizer can prove it.
+            self.zero = tf.where(tf.equal(as_bool, as_bool), 0.0, float("nan"))
+        return kept + tf.cast(self.zero, kept.dtype)
 
     def __call__(self, op_type, inputs, attrs, outputs, op_name=None, graph=None):
         if self.broken or graph is not self.graph:
@@ -184,7 +214,11 @@ class _Substitute:
             return outputs
         if not kept:
             return outputs
-        return [tf.identity(kept[i]) if i in kept else t for i, t in enumerate(outputs)]
+        replaced = [self._after_gradient(kept[i]) if i in kept else t
+                    for i, t in enumerate(outputs)]
+        names = _residuals.substitutions.setdefault(self.graph, set())
+        names.update(replaced[i].op.name for i in kept)
+        return replaced
 
 
 NO_SAVER: Any = type("_NoSaver", (), {"active": staticmethod(contextlib.nullcontext)})()
