@@ -62,7 +62,7 @@ DEFAULT_MODES: dict[str, dict[str, tuple[str, ...]]] = {
 DEFAULT_STRATEGIES = {
     "tiny": tuple(STRATEGIES),
     "quick": tuple(s for s in STRATEGIES if s != "keras_remat"
-                   and (s not in POLICIES or s == "dots_saveable")),
+                   and (s not in POLICIES or s == "dots_saveable") and s != "policy_plan"),
     "full": tuple(STRATEGIES),
 }
 DEFAULT_REPEATS = {"tiny": 3, "quick": 5, "full": 7}

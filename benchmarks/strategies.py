@@ -14,6 +14,8 @@
                      output (`checkpoint_name(..., "mlp_out")` in the decoder block)
     attn_mlp_out     keeps the named attention output and MLP output
                      (`policies.save_only_these_names("attention_out", "mlp_out")`)
+    policy_plan      `planning.plan_policies`: per block plain, dots_saveable or a full
+                     replay, for half of plain's peak
 
 `tf.recompute_grad` accepts keyword arguments only in eager mode, so for the two
 peers `training=True` is closed over and the state's tensors are passed positionally:
@@ -137,6 +139,22 @@ def _policies() -> dict[str, Callable[[], Any]]:
 
 
 POLICIES: dict[str, Callable[[], Any]] = _policies()
+POLICY_PLAN_FRACTION = 0.5
+
+
+def _policy_plan(blocks: list, options: dict) -> Chain:
+    """`plan_policies`: per block plain, dots_saveable or a full replay, for half of
+    plain's measured peak (the chain's share of it: the stem and head's part of
+    plain's peak, measured, is taken off the budget)."""
+    from tf_checkpointing.planning import plan_policies
+
+    measured = plan_policies(blocks, options["sample_state"], budget=2**50, training=True)
+    wanted = int(POLICY_PLAN_FRACTION * options["plain_peak_bytes"])
+    outside = options["plain_peak_bytes"] - measured.plain_peak_bytes
+    plan = measured.replan(wanted - outside)
+    chain = _plain(plan.wrap(blocks), options)
+    chain.note = f"{plan} for {wanted / 2**20:.1f} MiB"  # type: ignore[attr-defined]
+    return chain
 
 
 def _sqrt_segments(blocks: list, options: dict) -> Chain:
@@ -212,4 +230,6 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
              needs="CheckpointedSequential"),
     *(Strategy(name, f"checkpointable per block, policy {name}", _with_policy(name),
                needs="policies") for name in POLICIES),
+    Strategy("policy_plan", "plan_policies(budget=plain/2): plain, dots or replay per block",
+             _policy_plan, needs="policies"),
 )}
