@@ -312,3 +312,31 @@ def test_nested_checkpoints_and_a_gradient_outside_the_function(policy, mode):
     assert_all_close(grads(outer), grads(block), rtol=rtol)
     # The forward traced in a tf.function, the gradient taken outside it.
     assert_all_close(grads(tf.function(outer)), grads(tf.function(block)), rtol=rtol)
+
+
+def test_plan_policies_solves_the_knapsack_exactly():
+    from tf_checkpointing.planning._policies import _solve
+
+    kept = np.array([[10.0, 4.0, 1.0]] * 3)  # plain, dots, full replay
+    extra = np.array([[0.0, 1.0, 3.0]] * 3)
+    assert _solve(kept, extra, 40.0, 40.0) == ([0, 0, 0], 40.0)
+    # 30 bytes: 10 fixed + kept + one replay's working set. All dots (12 + 6) fits
+    # at cost 3; dots, dots, full (9 + 9) also fits but costs 5.
+    assert _solve(kept, extra, 40.0, 30.0) == ([1, 1, 1], 28.0)
+    with pytest.raises(ValueError, match=r"`budget` \(0.0 MiB\) is below the least"):
+        _solve(kept, extra, 40.0, 15.0)
+
+
+def test_plan_policies_plans_a_real_chain_within_its_prediction():
+    from tf_checkpointing.planning import plan_policies
+
+    layers = [keras.layers.Dense(64, activation="gelu") for _ in range(4)]
+    x = tf.random.stateless_normal([256, 64], seed=[7, 7])
+    roomy = plan_policies(layers, x, budget=2**40, repeats=1)
+    assert roomy.choices == ("plain",) * 4
+    tight = roomy.replan(int(0.7 * roomy.plain_peak_bytes))
+    assert "plain" in roomy.choices and set(tight.choices) != {"plain"}
+    assert tight.predicted_peak_bytes <= tight.budget_bytes
+    wrapped = tight.wrap(layers)
+    assert [w is layer for w, layer in zip(wrapped, layers)] == [
+        c == "plain" for c in tight.choices]
