@@ -151,9 +151,11 @@ def _policy_plan(blocks: list, options: dict) -> Chain:
     measured = plan_policies(blocks, options["sample_state"], budget=2**50, training=True)
     wanted = int(POLICY_PLAN_FRACTION * options["plain_peak_bytes"])
     outside = options["plain_peak_bytes"] - measured.plain_peak_bytes
-    plan = measured.replan(wanted - outside)
+    least = int(1.02 * measured.least_budget_bytes)  # as _budget_plan: raised, and said
+    plan = measured.replan(max(wanted - outside, least))
+    raised = " (raised to the planner's least)" if least > wanted - outside else ""
     chain = _plain(plan.wrap(blocks), options)
-    chain.note = f"{plan} for {wanted / 2**20:.1f} MiB"  # type: ignore[attr-defined]
+    chain.note = f"{plan} for {wanted / 2**20:.1f} MiB{raised}"  # type: ignore[attr-defined]
     return chain
 
 

@@ -149,7 +149,7 @@ def _run_layers(layers, routed, start, stop, x):
 
 def _run_pieces(layers, routed, pieces: Sequence[Segment], x, kwargs, policy=None):
     for piece in pieces:
-        if piece.checkpointed:
+        if piece.checkpointed and policy is not policies.everything_saveable:
             # The keywords go in as arguments (their tensors get gradients);
             # the segment routes the values it receives, fresh in the replay.
             x = checkpointed_call(_segment(layers, routed, piece, policy), (x,), dict(kwargs),

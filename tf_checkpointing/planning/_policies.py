@@ -49,6 +49,11 @@ class PolicyPlan:
     kept_bytes: Any = dataclasses.field(repr=False, default=None)  # [layer, option]
     extra_s: Any = dataclasses.field(repr=False, default=None)  # [layer, option]
 
+    @property
+    def least_budget_bytes(self) -> int:
+        """About the least budget any choice fits (rounding may need 1% more)."""
+        return int(_least(self.kept_bytes, self.plain_peak_bytes))
+
     def replan(self, budget: int) -> PolicyPlan:
         """The plan for another budget, from the same measurements."""
         choice, predicted = _solve(self.kept_bytes, self.extra_s, self.plain_peak_bytes, budget)
@@ -103,6 +108,12 @@ def plan_policies(layers: Sequence[Any], inputs: tf.Tensor, *, budget: int,
     """
     from tf_checkpointing import policies
 
+    if not isinstance(inputs, tf.Tensor):
+        raise TypeError(
+            "plan_policies: argument `inputs` must be one tensor (the chain's state); "
+            f"received {type(inputs).__name__}. Chains whose state is a tuple (a U-Net's "
+            "skip connections) are not supported yet: use plan_sequential for them."
+        )
     candidates = tuple(candidates or (policies.dots_saveable, policies.nothing_saveable))
     state = [v for layer in layers for v in getattr(layer, "variables", ())]
     before = [v.numpy() for v in state]  # profiling advances seeds and statistics
@@ -150,7 +161,7 @@ def _solve(kept: np.ndarray, extra: np.ndarray, plain_peak: float,
         if best is None or cost < best[0] - 1e-12:
             best = (cost, picked, peak)
     if best is None:
-        least = fixed + kept.min(axis=1).sum() + returned.max(axis=1).min()
+        least = _least(kept, plain_peak)
         raise ValueError(
             f"plan_policies: argument `budget` ({budget / 2**20:.1f} MiB) is below the "
             f"least any choice of policies needs (about {least / 2**20:.1f} MiB, plain "
@@ -158,6 +169,15 @@ def _solve(kept: np.ndarray, extra: np.ndarray, plain_peak: float,
             "plan_sequential, whose nested checkpoints need less."
         )
     return best[1], best[2]
+
+
+def _least(kept: np.ndarray, plain_peak: float) -> float:
+    """The least modelled peak: per working-set cap, the least each layer can keep."""
+    fixed = plain_peak - kept[:, 0].sum()
+    returned = kept[:, :1] - kept
+    needs = [max(cap, 0.0) + np.where(returned <= cap, kept, np.inf).min(axis=1).sum()
+             for cap in set(returned.ravel())]
+    return fixed + min(needs)
 
 
 def _knapsack(weights: np.ndarray, values: np.ndarray, allowed: np.ndarray,
