@@ -161,6 +161,7 @@ def run_group(workload: Workload, mode: str, strategy_names: list[str], *, repea
             if name != "plain" and "plain" in results and results["plain"].peak_bytes:
                 options["plan_budget_bytes"] = int(plan_budget_fraction *
                                                    results["plain"].peak_bytes)
+                options["plain_peak_bytes"] = results["plain"].peak_bytes
             chain = STRATEGIES[name].build(workload.blocks, options)
             result.note = getattr(chain, "note", "")
             step = make_step(workload, chain, mode)

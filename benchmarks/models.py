@@ -148,10 +148,13 @@ class DecoderBlock(keras.layers.Layer):
         self.drop2 = keras.layers.Dropout(DROPOUT)
 
     def call(self, x: tf.Tensor, training: Any = None) -> tf.Tensor:
+        # The names are for save policies (identities only inside a checkpointed call).
+        from tf_checkpointing import checkpoint_name
+
         h = self.norm1(x)
         h = self.attention(h, h, use_causal_mask=True, training=training)
-        x = x + self.drop1(h, training=training)
-        h = self.proj(self.fc(self.norm2(x)))
+        x = x + self.drop1(checkpoint_name(h, "attention_out"), training=training)
+        h = checkpoint_name(self.proj(self.fc(self.norm2(x))), "mlp_out")
         return x + self.drop2(h, training=training)
 
 

@@ -36,7 +36,7 @@ with _cli.quiet_start_up():
     from tqdm import tqdm  # noqa: E402
 
     from benchmarks import harness, models, report  # noqa: E402
-    from benchmarks.strategies import STRATEGIES  # noqa: E402
+    from benchmarks.strategies import POLICIES, STRATEGIES  # noqa: E402
 
 # What each size runs unless --models / --modes say otherwise. Tracing and graph
 # optimisation, not the steps, dominate the quick run: 10-15 s per strategy for the
@@ -52,9 +52,15 @@ DEFAULT_MODES: dict[str, dict[str, tuple[str, ...]]] = {
 # keras.remat is tf.recompute_grad on the TensorFlow backend (keras/src/backend/
 # tensorflow/core.py: `return tf.recompute_grad(f)`): same numbers, another 15 s of
 # tracing for the decoder, so --quick leaves it to --full and --strategies.
+# Of the save policies, --quick runs dots_saveable (on every model); the others (the
+# named ones keep something only in the decoder) run with --strategies, as in
+# `python benchmarks/run.py --models gpt2 --modes function,xla --name policies
+# --strategies plain,checkpointable,dots_saveable,dots_no_batch,qkv_mlp_out,attn_mlp_out`.
 DEFAULT_STRATEGIES = {
-    "tiny": tuple(STRATEGIES),
-    "quick": tuple(s for s in STRATEGIES if s != "keras_remat"),
+    # policy_plan plans chains with one tensor state (not the U-Net): --strategies.
+    "tiny": tuple(s for s in STRATEGIES if s != "policy_plan"),
+    "quick": tuple(s for s in STRATEGIES if s != "keras_remat"
+                   and (s not in POLICIES or s == "dots_saveable") and s != "policy_plan"),
     "full": tuple(STRATEGIES),
 }
 DEFAULT_REPEATS = {"tiny": 3, "quick": 5, "full": 7}

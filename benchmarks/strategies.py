@@ -7,6 +7,15 @@
     sqrt_segments    `tf_checkpointing.checkpoint_sequential(blocks, x, segments="sqrt")`
     budget_plan      `tf_checkpointing.CheckpointedSequential(blocks, budget=...)`, the
                      budget a fraction of plain's measured peak (default 1/3)
+    dots_saveable    `checkpointable(block, checkpoint=True, policy=policies.dots_saveable)`
+                     per block: keeps matrix products and convolutions, replays the rest
+    dots_no_batch    the same with `policies.dots_with_no_batch_dims_saveable`
+    qkv_mlp_out      MaxText-style: keeps the attention's q/k/v projections and the MLP
+                     output (`checkpoint_name(..., "mlp_out")` in the decoder block)
+    attn_mlp_out     keeps the named attention output and MLP output
+                     (`policies.save_only_these_names("attention_out", "mlp_out")`)
+    policy_plan      `planning.plan_policies`: per block plain, dots_saveable or a full
+                     replay, for half of plain's peak
 
 `tf.recompute_grad` accepts keyword arguments only in eager mode, so for the two
 peers `training=True` is closed over and the state's tensors are passed positionally:
@@ -92,6 +101,64 @@ def _checkpointable(blocks: list, options: dict) -> Chain:
     return _plain(wrapped, options)
 
 
+def _with_policy(policy_name: str) -> Callable[[list, dict], Chain]:
+    """`checkpointable` per block with a save policy (the name of one in POLICIES)."""
+
+    def build(blocks: list, options: dict) -> Chain:
+        from tf_checkpointing import checkpointable
+
+        policy = POLICIES[policy_name]()
+        wrapped = [checkpointable(block, checkpoint=True, policy=policy) for block in blocks]
+        return _plain(wrapped, options)
+
+    return build
+
+
+def _qkv_and_mlp_out() -> Callable[[Any], bool]:
+    """MaxText's `qkv_proj` + `mlpwo` choice on the Keras decoder block: Keras runs
+    the q/k/v EinsumDense layers as matrix products named `.../query/MatMul` etc."""
+    import re
+
+    qkv = re.compile(r"/(query|key|value)(_\d+)?/")
+
+    def policy(out: Any) -> bool:
+        return out.name == "mlp_out" or bool(out.op_name and qkv.search(out.op_name))
+
+    return policy
+
+
+def _policies() -> dict[str, Callable[[], Any]]:
+    from tf_checkpointing import policies
+
+    return {
+        "dots_saveable": lambda: policies.dots_saveable,
+        "dots_no_batch": lambda: policies.dots_with_no_batch_dims_saveable,
+        "qkv_mlp_out": _qkv_and_mlp_out,
+        "attn_mlp_out": lambda: policies.save_only_these_names("attention_out", "mlp_out"),
+    }
+
+
+POLICIES: dict[str, Callable[[], Any]] = _policies()
+POLICY_PLAN_FRACTION = 0.5
+
+
+def _policy_plan(blocks: list, options: dict) -> Chain:
+    """`plan_policies`: per block plain, dots_saveable or a full replay, for half of
+    plain's measured peak (the chain's share of it: the stem and head's part of
+    plain's peak, measured, is taken off the budget)."""
+    from tf_checkpointing.planning import plan_policies
+
+    measured = plan_policies(blocks, options["sample_state"], budget=2**50, training=True)
+    wanted = int(POLICY_PLAN_FRACTION * options["plain_peak_bytes"])
+    outside = options["plain_peak_bytes"] - measured.plain_peak_bytes
+    least = int(1.02 * measured.least_budget_bytes)  # as _budget_plan: raised, and said
+    plan = measured.replan(max(wanted - outside, least))
+    raised = " (raised to the planner's least)" if least > wanted - outside else ""
+    chain = _plain(plan.wrap(blocks), options)
+    chain.note = f"{plan} for {wanted / 2**20:.1f} MiB{raised}"  # type: ignore[attr-defined]
+    return chain
+
+
 def _sqrt_segments(blocks: list, options: dict) -> Chain:
     import tf_checkpointing
 
@@ -163,4 +230,8 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
              needs="checkpoint_sequential"),
     Strategy("budget_plan", "CheckpointedSequential(budget=...)", _budget_plan,
              needs="CheckpointedSequential"),
+    *(Strategy(name, f"checkpointable per block, policy {name}", _with_policy(name),
+               needs="policies") for name in POLICIES),
+    Strategy("policy_plan", "plan_policies(budget=plain/2): plain, dots or replay per block",
+             _policy_plan, needs="policies"),
 )}

@@ -7,12 +7,15 @@ gives exact gradients.
     def block(x, training=None): ...
 """
 
+from tf_checkpointing import policies
 from tf_checkpointing._decorator import checkpointable
 from tf_checkpointing._errors import ReplayMismatchError
 from tf_checkpointing._flags import is_checkpointing, is_recomputing
 from tf_checkpointing._keras import apply_checkpointing
 from tf_checkpointing._memory import MemoryStats, measure, peak_memory
 from tf_checkpointing._remat_scope import RematScope
+from tf_checkpointing._residuals import Residual, print_saved_residuals, saved_residuals
+from tf_checkpointing._saving import checkpoint_name
 from tf_checkpointing._sequential import CheckpointedSequential, checkpoint_sequential
 from tf_checkpointing._version import __version__ as __version__
 from tf_checkpointing.planning import Segment, SequentialPlan, plan_sequential
@@ -22,9 +25,11 @@ __all__ = [
     "MemoryStats",
     "RematScope",
     "ReplayMismatchError",
+    "Residual",
     "Segment",
     "SequentialPlan",
     "apply_checkpointing",
+    "checkpoint_name",
     "checkpoint_sequential",
     "checkpointable",
     "is_checkpointing",
@@ -32,4 +37,7 @@ __all__ = [
     "measure",
     "peak_memory",
     "plan_sequential",
+    "policies",
+    "print_saved_residuals",
+    "saved_residuals",
 ]

@@ -22,6 +22,7 @@ import keras
 import wrapt
 from tensorflow.python.autograph.core import config as _autograph_config
 
+from tf_checkpointing import policies
 from tf_checkpointing._layer_proxy import CheckpointedLayer
 from tf_checkpointing._options import (
     _OPTION_NAMES,
@@ -36,7 +37,7 @@ __all__: list[str] = []
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-_DECORATOR_OPTIONS = ("checkpoint", "force_seed", "check")
+_DECORATOR_OPTIONS = ("checkpoint", "force_seed", "check", "policy")
 
 # AutoGraph must never convert the library's own code: converted, its wrappers
 # would be bypassed or fail to convert (TensorFlow and Keras are listed the same way).
@@ -48,14 +49,15 @@ if not any(getattr(rule, "_prefix", None) == __package__
 
 @overload
 def checkpointable(
-    fn: F, *, checkpoint: bool = False, force_seed: bool = False, check: CheckMode = False
+    fn: F, *, checkpoint: bool = False, force_seed: bool = False, check: CheckMode = False,
+    policy: Optional[policies.Policy] = None,
 ) -> F: ...
 
 
 @overload
 def checkpointable(
     fn: None = None, *, checkpoint: bool = False, force_seed: bool = False,
-    check: CheckMode = False,
+    check: CheckMode = False, policy: Optional[policies.Policy] = None,
 ) -> Callable[[F], F]: ...
 
 
@@ -65,6 +67,7 @@ def checkpointable(
     checkpoint: bool = False,
     force_seed: bool = False,
     check: CheckMode = False,
+    policy: Optional[policies.Policy] = None,
     **unknown: Any,
 ) -> Any:
     """Makes a function, method or Keras layer checkpointable.
@@ -88,12 +91,18 @@ def checkpointable(
             structure, shapes and dtypes, ``"values"`` compares values too
             (keeps the outputs alive until backprop). The environment variable
             ``TF_CHECKPOINTING_CHECK=1`` (or ``values``) turns it on everywhere.
+        policy: a save policy from :mod:`tf_checkpointing.policies` (or any
+            callable taking a ``policies.OpOutput`` and returning a bool): also
+            keep the results it picks (e.g. ``policies.dots_saveable``: matrix
+            products and convolutions) so that the replay reuses them instead of
+            recomputing them. None (default) keeps only the inputs.
 
     Call-time keywords, consumed by the wrapper and never passed on:
         _checkpoint: bool, or None for the decorator's default.
         _watch_vars: extra ``tf.Variable`` / ``keras.Variable`` objects to
             differentiate (variables read inside are already captured).
         _force_seed: bool, or None for the decorator's default.
+        _policy: a save policy, or None for the decorator's default.
 
     Returns:
         The wrapped callable (for a layer: the same layer, checkpointed).
@@ -118,6 +127,7 @@ def checkpointable(
         checkpoint=_expect_bool("checkpoint", checkpoint, "checkpointable(..., checkpoint=True)"),
         force_seed=_expect_bool("force_seed", force_seed, "checkpointable(..., force_seed=True)"),
         check=_expect_check(check),
+        policy=policies.resolve(policy),
     )
     if fn is None:
         return lambda target: _wrap(target, options)
@@ -132,8 +142,9 @@ def _unknown_options_error(unknown: dict[str, Any]) -> TypeError:
     return TypeError(
         f"checkpointable: unknown option(s) {names}; the accepted options are "
         f"{list(_DECORATOR_OPTIONS)}. {' '.join(hints)} Pass e.g. "
-        "checkpointable(fn, checkpoint=True, force_seed=False, check=False); call-time "
-        "options (_checkpoint, _force_seed, _watch_vars) go to the call, not the decorator."
+        "checkpointable(fn, checkpoint=True, force_seed=False, check=False, policy=None); "
+        "call-time options (_checkpoint, _force_seed, _watch_vars, _policy) go to the call, "
+        "not the decorator."
     )
 
 

@@ -42,6 +42,7 @@ def apply_checkpointing(
     *,
     force_seed: bool = False,
     check: Union[bool, str] = False,
+    policy: Any = None,
 ) -> list[keras.layers.Layer]:
     """Checkpoints the chosen layers of an existing model, in place.
 
@@ -71,6 +72,8 @@ def apply_checkpointing(
         force_seed: passed to :func:`checkpointable` (replay legacy
             ``tf.random`` ops exactly; Keras random layers need nothing).
         check: passed to :func:`checkpointable` (verify each replay).
+        policy: passed to :func:`checkpointable`: a save policy
+            (:mod:`tf_checkpointing.policies`) for the chosen layers.
 
     Returns:
         The layers now checkpointed, in model order.
@@ -113,17 +116,19 @@ def apply_checkpointing(
             "predicate that returns True for some of them, or their names or classes."
         )
     for layer in chosen:
-        _checkpoint_layer(layer, force_seed=force_seed, check=check)
+        _checkpoint_layer(layer, force_seed=force_seed, check=check, policy=policy)
     _forget_traced_steps(model)
     return chosen
 
 
-def _checkpoint_layer(layer: keras.layers.Layer, *, force_seed: bool, check: Any) -> None:
+def _checkpoint_layer(layer: keras.layers.Layer, *, force_seed: bool, check: Any,
+                      policy: Any = None) -> None:
     if type(layer) is CheckpointedLayer:  # a checkpointable(layer) proxy: patch the layer
         layer = layer.__wrapped__
     current = vars(layer).get("call")
     original = getattr(current, _ORIGINAL_CALL, None) or layer.call
-    wrapped = checkpointable(original, checkpoint=True, force_seed=force_seed, check=check)
+    wrapped = checkpointable(original, checkpoint=True, force_seed=force_seed, check=check,
+                             policy=policy)
     setattr(wrapped, _ORIGINAL_CALL, original)
     # Plain object.__setattr__: a function is nothing for Keras or TensorFlow to track.
     object.__setattr__(layer, "call", wrapped)

@@ -2,7 +2,7 @@
 
 :func:`dispatch` runs one call of a checkpointable function, method or layer
 ``call``: it takes the call-time options (``_checkpoint``, ``_force_seed``,
-``_watch_vars``) out of the keyword arguments, validates them, and runs the
+``_watch_vars``, ``_policy``) out of the keyword arguments, validates them, and runs the
 call directly or checkpointed (:mod:`tf_checkpointing._recompute`). When
 nothing can take a gradient of the call (eager mode, no tape recording) or
 checkpointing is off, the function is called directly: one dict lookup of
@@ -19,13 +19,14 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tf_checkpointing import policies
 from tf_checkpointing._recompute import checkpointed_call, needs_checkpoint
 
 __all__: list[str] = []
 
 CheckMode = Union[bool, str]
 
-_OPTION_NAMES = frozenset(("_checkpoint", "_watch_vars", "_force_seed"))
+_OPTION_NAMES = frozenset(("_checkpoint", "_watch_vars", "_force_seed", "_policy"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,13 +34,19 @@ class _Options:
     checkpoint: bool
     force_seed: bool
     check: CheckMode
+    policy: Any = None
 
 
 def dispatch(fn: Callable[..., Any], args: tuple, kwargs: dict, options: _Options) -> Any:
     """Runs one call: directly, or checkpointed."""
     checkpoint, force_seed, watch_vars = options.checkpoint, options.force_seed, ()
+    policy = options.policy
     if kwargs and not _OPTION_NAMES.isdisjoint(kwargs):
         checkpoint, force_seed, watch_vars = _pop_call_options(kwargs, options)
+        given = kwargs.pop("_policy", None)
+        policy = policy if given is None else policies.resolve(given, "_policy")
+    if policy is policies.everything_saveable:
+        checkpoint = False  # keeping everything is the plain call
     if not checkpoint or not needs_checkpoint():
         if checkpoint and _is_symbolic(args, kwargs):
             raise TypeError(
@@ -52,7 +59,8 @@ def dispatch(fn: Callable[..., Any], args: tuple, kwargs: dict, options: _Option
             )
         return fn(*args, **kwargs)
     return checkpointed_call(
-        fn, args, kwargs, watch_vars=watch_vars, force_seed=force_seed, check=options.check
+        fn, args, kwargs, watch_vars=watch_vars, force_seed=force_seed, check=options.check,
+        policy=policy,
     )
 
 

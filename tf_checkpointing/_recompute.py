@@ -33,7 +33,7 @@ from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import forwardprop_util, record
 from tensorflow.python.eager import tape as tape_lib
 
-from tf_checkpointing import _keras_context, _seeding
+from tf_checkpointing import _keras_context, _saving, _seeding
 from tf_checkpointing._captures import CaptureGuard
 from tf_checkpointing._control_flow import CaptureMap
 from tf_checkpointing._errors import ReplayMismatchError
@@ -70,6 +70,7 @@ def checkpointed_call(
     watch_vars: Sequence[tf.Variable] = (),
     force_seed: bool = False,
     check: Any = False,
+    policy: Any = None,
 ) -> Any:
     """Calls ``fn(*args, **kwargs)`` keeping only its inputs for backprop.
 
@@ -81,6 +82,8 @@ def checkpointed_call(
         force_seed: make legacy stateful random ops replay exactly.
         check: False, True (compare the replay's output structure, shapes and
             dtypes with the forward's) or ``"values"`` (compare values too).
+        policy: a save policy (``tf_checkpointing.policies``): also keep the
+            outputs it picks and reuse them in the replay (``_saving``).
 
     Returns:
         What ``fn`` returns, with gradients defined by replaying ``fn``.
@@ -94,6 +97,8 @@ def checkpointed_call(
         return fn(*args, **kwargs)
     check = check or _check_mode_from_environment()
     replay = _Replay(fn, flat, positions, watch_vars, force_seed, check)
+    if policy is not None:
+        replay.saver = _saving.Saver(policy)
     returned: dict[str, Any] = {}
 
     @tf.custom_gradient
@@ -131,7 +136,10 @@ def _check_mode_from_environment() -> Any:
 class _Replay:
     """What the backward pass needs to replay one call, and nothing more: the
     inputs, the state the forward saw, and the shape of its outputs. It holds no
-    activation and no output of the forward (unless ``check="values"``)."""
+    activation and no output of the forward (unless ``check="values"``, or a
+    save policy's picks: ``saver``)."""
+
+    saver: Any = _saving.NO_SAVER
 
     def __init__(self, fn, flat, positions, watch_vars, force_seed, check):
         self.fn = fn
@@ -155,7 +163,8 @@ class _Replay:
         for i, tensor in zip(self.positions, inputs):
             leaves[i] = tensor
         args, kwargs = self.flat.pack(leaves)
-        return self.fn(*args, **kwargs)
+        with self.saver.active(inputs):  # keeps (forward) or reuses (replay) a policy's picks
+            return self.fn(*args, **kwargs)
 
     def _seeded(self) -> Any:
         if self.call_seed is None:

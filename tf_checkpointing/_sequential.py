@@ -26,6 +26,7 @@ from typing import Any, Optional, Union, cast
 import keras
 import tensorflow as tf
 
+from tf_checkpointing import policies
 from tf_checkpointing._recompute import checkpointed_call, needs_checkpoint
 from tf_checkpointing.planning._chain import _expect_budget, cached_plan
 from tf_checkpointing.planning._plan import Segment, SequentialPlan, even_plan
@@ -45,6 +46,7 @@ def checkpoint_sequential(
     *,
     segments: Segments = "sqrt",
     budget: Optional[float] = None,
+    policy: Optional[policies.Policy] = None,
     **kwargs: Any,
 ) -> Any:
     """Runs ``layers`` one after another, checkpointing segments of them.
@@ -66,6 +68,8 @@ def checkpoint_sequential(
             or ``"sqrt"`` for ``round(sqrt(len(layers)))``.
         budget: bytes the training step may allocate above what is allocated
             before it; overrides ``segments``.
+        policy: a save policy (:mod:`tf_checkpointing.policies`) for every
+            checkpointed segment: also keep what it picks, replay the rest.
         **kwargs: keywords for the layers, e.g. ``training=True``; each layer
             gets those its call accepts (``Dropout`` gets ``training``,
             ``LayerNormalization`` and ``tf.nn.relu`` do not). Tensors among them
@@ -86,6 +90,7 @@ def checkpoint_sequential(
         18
     """
     layers = validate_layers(layers, _API)
+    policy = policies.resolve(policy)
     routed = route_keywords(layers, kwargs, _API)
     if budget is None:
         count = expect_segments(segments, len(layers), _API)
@@ -103,7 +108,7 @@ def checkpoint_sequential(
         plan = even_plan(len(layers), count)
     else:
         plan = cached_plan(layers, inputs, budget, kwargs, routed, api=_API)
-    return run_plan(layers, plan, inputs, kwargs, routed)
+    return run_plan(layers, plan, inputs, kwargs, routed, policy=policy)
 
 
 def expect_segments(segments: Any, num_layers: int, api: str) -> int:
@@ -127,13 +132,13 @@ def expect_segments(segments: Any, num_layers: int, api: str) -> int:
 
 @tf.autograph.experimental.do_not_convert
 def run_plan(layers: Sequence[Any], plan: SequentialPlan, inputs: Any,
-             kwargs: dict[str, Any], routed: list[dict]) -> Any:
+             kwargs: dict[str, Any], routed: list[dict], policy: Any = None) -> Any:
     """Runs the chain as ``plan`` says. ``kwargs`` (all keywords) go to each
     checkpointed call, so tensors among them get gradients; ``routed`` says
     which of them each layer receives."""
     if not needs_checkpoint():  # nothing can take a gradient: no checkpoints
         return _run_layers(layers, routed, 0, len(layers), inputs)
-    return _run_pieces(layers, routed, plan.pieces, inputs, kwargs)
+    return _run_pieces(layers, routed, plan.pieces, inputs, kwargs, policy)
 
 
 def _run_layers(layers, routed, start, stop, x):
@@ -142,21 +147,22 @@ def _run_layers(layers, routed, start, stop, x):
     return x
 
 
-def _run_pieces(layers, routed, pieces: Sequence[Segment], x, kwargs):
+def _run_pieces(layers, routed, pieces: Sequence[Segment], x, kwargs, policy=None):
     for piece in pieces:
-        if piece.checkpointed:
+        if piece.checkpointed and policy is not policies.everything_saveable:
             # The keywords go in as arguments (their tensors get gradients);
             # the segment routes the values it receives, fresh in the replay.
-            x = checkpointed_call(_segment(layers, routed, piece), (x,), dict(kwargs))
+            x = checkpointed_call(_segment(layers, routed, piece, policy), (x,), dict(kwargs),
+                                  policy=policy)
         else:
             x = _run_layers(layers, routed, piece.start, piece.stop, x)
     return x
 
 
-def _segment(layers, routed, piece: Segment):
+def _segment(layers, routed, piece: Segment, policy=None):
     def segment(x, /, **kwargs):
         routed_now = [{k: kwargs[k] for k in r} for r in routed]
-        return _run_pieces(layers, routed_now, piece.pieces, x, kwargs)
+        return _run_pieces(layers, routed_now, piece.pieces, x, kwargs, policy)
 
     segment.__name__ = segment.__qualname__ = f"layers_{piece.start}_to_{piece.stop}"
     return segment
@@ -183,6 +189,9 @@ class CheckpointedSequential(keras.layers.Layer):
             if that call is traced in a ``tf.function`` (``Model.fit``), for
             graph steps, and the plan is reused after (also for the smaller last
             batch of an epoch).
+        policy: a save policy for the checkpointed segments, as in
+            :func:`checkpoint_sequential` (saved in the config by name for the
+            policies of :mod:`tf_checkpointing.policies`).
         **kwargs: base layer keywords (``name``, ``dtype``, ...).
 
     Call arguments:
@@ -205,7 +214,8 @@ class CheckpointedSequential(keras.layers.Layer):
     """
 
     def __init__(self, layers: Sequence[keras.layers.Layer], segments: Segments = "sqrt",
-                 budget: Optional[float] = None, **kwargs: Any) -> None:
+                 budget: Optional[float] = None, policy: Any = None,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
         api = _LAYER_API
         layers = validate_layers(layers, api)
@@ -230,6 +240,7 @@ class CheckpointedSequential(keras.layers.Layer):
         self.layers = list(layers)
         self.segments = segments
         self.budget = budget
+        self.policy = policies.resolve(policies.from_config(policy))
         self.plan: Optional[SequentialPlan] = None
         if budget is None:
             self.plan = even_plan(len(layers), expect_segments(segments, len(layers), api))
@@ -253,7 +264,7 @@ class CheckpointedSequential(keras.layers.Layer):
         if self.plan is None:  # a budget, and no plan yet
             self.plan = cached_plan(self.layers, inputs, cast(int, self.budget), kwargs, routed,
                                     api=_LAYER_API)
-        return run_plan(self.layers, self.plan, inputs, kwargs, routed)
+        return run_plan(self.layers, self.plan, inputs, kwargs, routed, policy=self.policy)
 
     def compute_output_spec(self, inputs: Any, training: Optional[bool] = None) -> Any:
         x = inputs
@@ -267,6 +278,7 @@ class CheckpointedSequential(keras.layers.Layer):
             layers=[keras.saving.serialize_keras_object(layer) for layer in self.layers],
             segments=self.segments,
             budget=self.budget,
+            policy=policies.to_config(self.policy),
         )
         return config
 

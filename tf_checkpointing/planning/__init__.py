@@ -7,5 +7,6 @@ schedule of a chain of layers within a memory budget.
 
 from tf_checkpointing.planning._chain import plan_sequential
 from tf_checkpointing.planning._plan import Segment, SequentialPlan
+from tf_checkpointing.planning._policies import PolicyPlan, plan_policies
 
-__all__ = ["Segment", "SequentialPlan", "plan_sequential"]
+__all__ = ["PolicyPlan", "Segment", "SequentialPlan", "plan_policies", "plan_sequential"]

@@ -1,0 +1,342 @@
+"""Save policies: exact gradients, and kept ops absent from the backward's work."""
+
+import re
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import compile_step
+from helpers import assert_all_close
+
+from tf_checkpointing import checkpoint_name, checkpointable, policies
+from tf_checkpointing._residuals import _executed  # the ops a tf.function runs
+
+DOTS = ("MatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum")
+
+
+class AttentionBlock(keras.layers.Layer):
+    """Dense projection (named "proj"), per-batch q @ q^T and an einsum (batch
+    dimensions), softmax, dropout, BatchNorm, a Dense MLP output (named "mlp_out")."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        init = keras.initializers.GlorotUniform(seed=3)
+        self.proj = keras.layers.Dense(8, kernel_initializer=init, name="proj")
+        self.out = keras.layers.Dense(8, kernel_initializer=init, name="out")
+        self.drop = keras.layers.Dropout(0.3, seed=5)
+        self.norm = keras.layers.BatchNormalization()
+
+    def call(self, x, training=None):
+        q = checkpoint_name(self.proj(x), "proj")
+        scores = tf.nn.softmax(tf.matmul(q, q, transpose_b=True) / 3.0)
+        h = tf.einsum("bij,bjd->bid", scores, q)
+        h = self.norm(self.drop(h, training=training), training=training)
+        return checkpoint_name(self.out(tf.nn.gelu(h)), "mlp_out") + x
+
+
+def _keep_softmax(out):
+    return out.op_type == "Softmax"
+
+
+POLICIES = {
+    "nothing": policies.nothing_saveable,
+    "everything": policies.everything_saveable,
+    "dots": policies.dots_saveable,
+    "dots_no_batch": policies.dots_with_no_batch_dims_saveable,
+    "only_names": policies.save_only_these_names("proj", "mlp_out"),
+    "except_names": policies.save_anything_except_these_names("proj"),
+    "custom": _keep_softmax,
+}
+
+
+def _step(block, policy, checkpoint):
+    call = checkpointable(block, checkpoint=checkpoint, policy=policy)
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            loss = tf.reduce_sum(call(x, training=True) ** 2)
+        return loss, tape.gradient(loss, [x] + block.trainable_variables)
+
+    return step
+
+
+def _x():
+    return tf.random.stateless_normal([2, 5, 8], seed=[1, 2])
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_policy_matches_plain(name, mode):
+    block = AttentionBlock()
+    block(_x())
+    start = [v.numpy() for v in block.variables]
+    plain = compile_step(_step(block, None, False), mode)(_x())
+    plain_state = [v.numpy() for v in block.variables]
+    for v, value in zip(block.variables, start):
+        v.assign(value)
+    ours = compile_step(_step(block, POLICIES[name], True), mode)(_x())
+    assert_all_close(ours, plain)
+    # BatchNorm statistics and the dropout seed state: updated once, as plain.
+    assert_all_close([v.numpy() for v in block.variables], plain_state)
+    assert any(not np.array_equal(a, b) for a, b in zip(start, plain_state))
+
+
+def _dot_count(policy, checkpoint):
+    block = AttentionBlock()
+    block(_x())
+    graph = tf.function(_step(block, policy, checkpoint)).get_concrete_function(_x()).graph
+    return sum(op.type in DOTS for op in _executed(graph))
+
+
+@pytest.mark.parametrize("name, replayed", [
+    ("nothing", 3), ("dots", 0), ("everything", 0), ("dots_no_batch", 2), ("only_names", 2),
+])
+def test_kept_ops_are_not_recomputed_in_the_graph(name, replayed):
+    # The full replay recomputes 3 of the 4 products: the last one's output is
+    # needed by no gradient, so TensorFlow prunes it even there.
+    plain = _dot_count(None, False)
+    assert plain == 4 * 3  # 4 forward products, 2 gradient products each
+    assert _dot_count(POLICIES[name], True) == plain + replayed
+
+
+def _hlo_dots(policy, checkpoint):
+    block = AttentionBlock()
+    block(_x())
+    step = tf.function(_step(block, policy, checkpoint), jit_compile=True)
+    hlo = step.experimental_get_compiler_ir(_x())(stage="optimized_hlo")
+    return len(re.findall(r"\bdot\(", hlo)) + len(re.findall(r"custom-call\(.*matmul", hlo))
+
+
+def test_kept_ops_are_not_recomputed_under_xla():
+    plain, nothing = _hlo_dots(None, False), _hlo_dots(None, True)
+    assert nothing > plain  # the count sees a replay...
+    assert _hlo_dots(policies.dots_saveable, True) == plain  # ...and none with dots kept
+
+
+def test_convolutions_are_kept_by_dots_saveable():
+    conv = keras.layers.Conv2D(4, 3, padding="same")
+    x = tf.random.stateless_normal([2, 6, 6, 3], seed=[3, 3])
+    conv(x)
+
+    def count(policy, checkpoint):
+        block = checkpointable(lambda x: tf.nn.relu(conv(tf.nn.relu(conv(x[..., :3])[..., :3]))),
+                               checkpoint=checkpoint, policy=policy)
+
+        def step(x):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                loss = tf.reduce_sum(block(x) ** 2)
+            return tape.gradient(loss, [x] + conv.trainable_variables)
+
+        graph = tf.function(step).get_concrete_function(x).graph
+        return sum(op.type.startswith("Conv2D") for op in _executed(graph))
+
+    plain = count(None, False)
+    assert count(None, True) == plain + 2
+    assert count(policies.dots_saveable, True) == plain
+
+
+def test_custom_policy_receives_the_documented_record():
+    seen = []
+
+    def policy(out):
+        seen.append(out)
+        return False
+
+    block = AttentionBlock()
+    block(_x())
+    tf.function(_step(block, policy, True)).get_concrete_function(_x())
+    assert all(isinstance(r, policies.OpOutput) for r in seen)
+    named = {r.name: r for r in seen if r.name}
+    assert set(named) == {"proj", "mlp_out"}
+    assert named["proj"].op_type == "Identity" and named["proj"].shape == (2, 5, 8)
+    assert named["proj"].dtype == tf.float32 and isinstance(named["proj"].op_name, str)
+    einsum = next(r for r in seen if r.op_type == "Einsum")
+    assert einsum.attrs["equation"] == b"bij,bjd->bid"
+    assert einsum.input_shapes == ((2, 5, 5), (2, 5, 8))
+
+
+def _record(op_type, input_shapes, equation=None):
+    attrs = {} if equation is None else {"equation": equation}
+    return policies.OpOutput(op_type, "op", None, tf.TensorShape([2, 2]), tf.float32,
+                             tuple(tf.TensorShape(s) for s in input_shapes), 0, attrs)
+
+
+@pytest.mark.parametrize("record, kept", [
+    (_record("MatMul", [[4, 3], [3, 2]]), True),
+    (_record("BatchMatMulV2", [[2, 4, 3], [3, 2]]), True),  # x @ kernel: broadcast only
+    (_record("BatchMatMulV2", [[2, 4, 3], [2, 3, 2]]), False),  # a batch dimension
+    (_record("Einsum", [[2, 4, 3], [3, 5]], "btd,df->btf"), True),
+    (_record("Einsum", [[2, 4, 3], [2, 5, 3]], "bqd,bkd->bqk"), False),
+    (_record("Conv2D", [[1, 4, 4, 1], [3, 3, 1, 1]]), False),
+])
+def test_dots_with_no_batch_dims_as_jax_defines_it(record, kept):
+    assert policies.dots_with_no_batch_dims_saveable(record) is kept
+    assert policies.dots_saveable(record) is True
+
+
+def test_checkpoint_name_is_an_identity_outside_checkpointing():
+    x = tf.constant([1.0, 2.0])
+    assert checkpoint_name(x, "a") is x
+    with pytest.raises(TypeError, match="`name` must be a str; received 3"):
+        checkpoint_name(x, 3)
+
+
+def test_call_time_policy_overrides_the_default():
+    block = AttentionBlock()
+    block(_x())
+    call = checkpointable(block, checkpoint=False)
+
+    def count(**options):
+        def step(x):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                loss = tf.reduce_sum(call(x, training=False, **options) ** 2)
+            return tape.gradient(loss, x)
+
+        graph = tf.function(step).get_concrete_function(_x()).graph
+        return sum(op.type in DOTS for op in _executed(graph))
+
+    plain = count()
+    assert count(_checkpoint=True) > plain
+    assert count(_checkpoint=True, _policy=policies.dots_saveable) == plain
+
+
+def test_not_a_policy_is_a_clear_error():
+    with pytest.raises(TypeError, match=r"`policy` must be None or a save policy.*"
+                                        r"received 'dots_saveable' of type str.*"
+                                        r"policy=tf_checkpointing.policies.dots_saveable"):
+        checkpointable(lambda x: x, policy="dots_saveable")
+    f = checkpointable(lambda x: x * 2, checkpoint=True)
+    x = tf.constant(1.0)
+    with tf.GradientTape() as tape, pytest.raises(TypeError, match="`_policy`.*received 3"):
+        tape.watch(x)
+        f(x, _policy=3)
+    with pytest.raises(TypeError, match="every name must be a str; received 1"):
+        policies.save_only_these_names("a", 1)
+
+
+def _sequential_dots(run):
+    layers = [keras.layers.Dense(8, activation="gelu", kernel_initializer=keras.initializers
+                                 .GlorotUniform(seed=k)) for k in range(4)]
+    x = tf.random.stateless_normal([3, 8], seed=[2, 2])
+    for layer in layers:
+        layer.build((3, 8))
+    variables = [v for layer in layers for v in layer.trainable_variables]
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)  # as a checkpointed call does: its replay differentiates x
+            loss = tf.reduce_sum(run(layers, x) ** 2)
+        return loss, tape.gradient(loss, [x] + variables)
+
+    fn = tf.function(step)
+    graph = fn.get_concrete_function(x).graph
+    return sum(op.type == "MatMul" for op in _executed(graph)), fn(x)
+
+
+def test_policy_on_checkpoint_sequential_and_checkpointed_sequential():
+    from tf_checkpointing import CheckpointedSequential, checkpoint_sequential
+
+    def plain(layers, x):
+        for layer in layers:
+            x = layer(x)
+        return x
+
+    n_plain, ref = _sequential_dots(plain)
+    n_full, _ = _sequential_dots(lambda ls, x: checkpoint_sequential(ls, x, segments=4))
+    n_dots, ours = _sequential_dots(lambda ls, x: checkpoint_sequential(
+        ls, x, segments=4, policy=policies.dots_saveable))
+    assert n_full > n_plain and n_dots == n_plain
+    assert_all_close(ours, ref)
+    seq = CheckpointedSequential([keras.layers.Dense(4)], segments=1,
+                                 policy=policies.save_only_these_names("a"))
+    again = CheckpointedSequential.from_config(seq.get_config())
+    assert again.policy._config == ("save_only_these_names", ["a"])
+    assert CheckpointedSequential.from_config(CheckpointedSequential(
+        [keras.layers.Dense(4)], policy=policies.dots_saveable).get_config()
+    ).policy is policies.dots_saveable
+
+
+def test_policy_on_apply_checkpointing():
+    from tf_checkpointing import apply_checkpointing
+
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, activation="gelu"),
+                              keras.layers.Dense(8, activation="gelu"), keras.layers.Dense(1)])
+    x = tf.random.stateless_normal([3, 8], seed=[2, 2])
+
+    def count():
+        def step(x):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                loss = tf.reduce_sum(model(x, training=True) ** 2)
+            return tape.gradient(loss, [x] + model.trainable_variables)
+
+        return sum(op.type == "MatMul"
+                   for op in _executed(tf.function(step).get_concrete_function(x).graph))
+
+    plain = count()
+    hidden = lambda layer: getattr(layer, "units", 0) == 8  # noqa: E731
+    apply_checkpointing(model, hidden)
+    assert count() > plain
+    apply_checkpointing(model, hidden, policy=policies.dots_saveable)
+    assert count() == plain
+
+
+@pytest.mark.parametrize("policy", [None, policies.dots_saveable,
+                                    policies.save_anything_except_these_names("none")])
+def test_nested_checkpoints_and_a_gradient_outside_the_function(policy, mode):
+    w1 = tf.Variable(0.3 * tf.random.stateless_normal([8, 16], seed=[5, 1]))
+    w2 = tf.Variable(0.3 * tf.random.stateless_normal([16, 8], seed=[5, 2]))
+    inner = checkpointable(lambda x: tf.nn.gelu(x @ w1) @ w2, checkpoint=True, policy=policy)
+
+    def block(x):
+        return tf.tanh(inner(x)) @ tf.transpose(w2) @ w2
+
+    outer = checkpointable(block, checkpoint=True, policy=policy)
+    x = tf.random.stateless_normal([4, 8], seed=[5, 3])
+
+    def grads(fn):
+        def step(x):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                loss = tf.reduce_sum(fn(x) ** 2)
+            return [loss] + tape.gradient(loss, [x, w1, w2])
+
+        return compile_step(step, mode)(x)
+
+    # XLA fuses a replayed tanh/gelu otherwise than the plain graph's: the full
+    # replay (policy None, the baseline) differs from plain by 2e-5 there too.
+    rtol = 1e-4 if mode == "xla" else 1e-5
+    assert_all_close(grads(outer), grads(block), rtol=rtol)
+    # The forward traced in a tf.function, the gradient taken outside it.
+    assert_all_close(grads(tf.function(outer)), grads(tf.function(block)), rtol=rtol)
+
+
+def test_plan_policies_solves_the_knapsack_exactly():
+    from tf_checkpointing.planning._policies import _solve
+
+    kept = np.array([[10.0, 4.0, 1.0]] * 3)  # plain, dots, full replay
+    extra = np.array([[0.0, 1.0, 3.0]] * 3)
+    assert _solve(kept, extra, 40.0, 40.0) == ([0, 0, 0], 40.0)
+    # 30 bytes: 10 fixed + kept + one replay's working set. All dots (12 + 6) fits
+    # at cost 3; dots, dots, full (9 + 9) also fits but costs 5.
+    assert _solve(kept, extra, 40.0, 30.0) == ([1, 1, 1], 28.0)
+    with pytest.raises(ValueError, match=r"`budget` \(0.0 MiB\) is below the least"):
+        _solve(kept, extra, 40.0, 15.0)
+
+
+def test_plan_policies_plans_a_real_chain_within_its_prediction():
+    from tf_checkpointing.planning import plan_policies
+
+    layers = [keras.layers.Dense(64, activation="gelu") for _ in range(4)]
+    x = tf.random.stateless_normal([256, 64], seed=[7, 7])
+    roomy = plan_policies(layers, x, budget=2**40, repeats=1)
+    assert roomy.choices == ("plain",) * 4
+    tight = roomy.replan(int(0.7 * roomy.plain_peak_bytes))
+    assert "plain" in roomy.choices and set(tight.choices) != {"plain"}
+    assert tight.predicted_peak_bytes <= tight.budget_bytes
+    wrapped = tight.wrap(layers)
+    assert [w is layer for w, layer in zip(wrapped, layers)] == [
+        c == "plain" for c in tight.choices]

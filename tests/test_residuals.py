@@ -1,0 +1,80 @@
+"""saved_residuals: what backprop keeps, listed, and checked against the allocator."""
+
+import pytest
+import tensorflow as tf
+
+from tf_checkpointing import (
+    checkpoint_name,
+    checkpointable,
+    policies,
+    print_saved_residuals,
+    saved_residuals,
+)
+from tf_checkpointing._residuals import held_bytes
+
+
+def _activations(residuals):
+    return sum(r.bytes for r in residuals if r.kind == "activation")
+
+
+def test_lists_what_the_gradient_reads():
+    w = tf.Variable(tf.ones([4, 6]))
+    kept = saved_residuals(lambda x: tf.tanh(x @ w), tf.ones([2, 4]))
+    by_producer = {r.producer.split()[0]: r for r in kept}
+    # MatMul's gradient reads x and w; Tanh's reads its output.
+    assert by_producer["argument"].shape == (2, 4) and by_producer["argument"].kind == "argument"
+    assert by_producer["variable"].kind == "variable"
+    tanh = by_producer["Tanh"]
+    assert (tanh.shape, tanh.dtype, tanh.bytes, tanh.kind) == ((2, 6), "float32", 48, "activation")
+    assert "TanhGrad" in tanh.why
+    assert _activations(kept) == 48
+
+
+def test_checkpointing_keeps_only_inputs_and_policies_add_their_picks():
+    w1, w2 = tf.Variable(tf.ones([8, 16])), tf.Variable(tf.ones([16, 8]))
+
+    def body(x):
+        return tf.nn.gelu(checkpoint_name(x @ w1, "up")) @ w2
+
+    x = tf.ones([4, 8])
+    plain = saved_residuals(body, x)
+    full = saved_residuals(checkpointable(body, checkpoint=True), x)
+    dots = saved_residuals(checkpointable(body, checkpoint=True, policy=policies.dots_saveable), x)
+    named = saved_residuals(checkpointable(
+        body, checkpoint=True, policy=policies.save_only_these_names("up")), x)
+    assert _activations(full) < _activations(plain)
+    assert [r.kind for r in full] == ["argument", "variable", "variable"]  # inputs only
+    picks = [r for r in dots if r.why == "kept by the save policy"]
+    assert [r.producer.split()[0] for r in picks] == ["MatMul"] and picks[0].shape == (4, 16)
+    assert [r.producer for r in named if r.why == "kept by the save policy"] == [
+        "checkpoint_name up"]
+
+
+def test_print_saved_residuals_prints_a_table_with_a_total(capsys):
+    print_saved_residuals(lambda x: tf.sin(x) * 2.0, tf.ones([4]))
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].split()[:5] == ["producer", "shape", "dtype", "bytes", "kind"]
+    assert "argument 0" in out and "total: 0 bytes of activations" in out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy, checkpoint", [
+    (None, False), (None, True), (policies.dots_saveable, True),
+    (policies.dots_with_no_batch_dims_saveable, True),
+])
+def test_total_agrees_with_the_allocator(policy, checkpoint):
+    from benchmarks import models
+
+    config = dict(blocks=3, dim=64, heads=2, seq=32, vocab=64, batch=4, budget_mib=4)
+    workload = models.build("gpt2", config)
+    blocks = [checkpointable(b, checkpoint=checkpoint, policy=policy) for b in workload.blocks]
+
+    def decoder(x):
+        for block in blocks:
+            x = block(x, training=True)
+        return x
+
+    x = workload.stem(workload.make_batch(4)[0], training=True)
+    listed = _activations(saved_residuals(decoder, x))
+    held = held_bytes(decoder, x)
+    assert abs(held - listed) <= 0.15 * listed, (held, listed)

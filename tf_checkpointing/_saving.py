@@ -1,0 +1,224 @@
+"""Keep what a save policy chooses in the forward; reuse it in the replay.
+
+Forward (inside a graph): an op callback sees every op the checkpointed function
+creates, in order, asks the policy about each floating output, and records the
+kept tensors. Replay: the same callback position sees the replayed op and
+returns ``tf.identity(kept forward tensor)`` in place of its outputs. The
+generated op wrappers (``gen_*_ops``) hand the callback's tensors, not the op's
+own outputs, both to the code that follows and to the tape
+(``record_gradient(op_type, op.inputs, attrs, outputs)``), and the tape computes
+the gradient with the op's registered gradient function on a mock op made of
+those inputs and outputs. So downstream ops read the kept value, gradients still
+flow through the op to its inputs and the variables they read (a ``MatMul``'s
+gradient needs only its inputs), and the replayed op itself has no consumer:
+``tf.function`` prunes it and XLA drops it. Its work is gone from the backward.
+
+Replayed ops are matched to recorded ones by position, op type and output
+shapes; a mismatch (a function that builds another graph when replayed) stops
+the substitution for the rest of that replay, which then recomputes: slower,
+never wrong.
+
+Eager execution runs each op before any callback sees it and cannot take a
+replacement value, so in eager mode nothing extra is kept and the replay
+recomputes everything (the policy changes neither memory nor time there).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any, Callable, Optional
+
+import tensorflow as tf
+from tensorflow.python.framework import op_callbacks
+
+from tf_checkpointing import _residuals, policies
+from tf_checkpointing._flags import is_checkpointing
+
+__all__ = ["checkpoint_name"]
+
+# Ops whose outputs must not be replaced (TensorFlow's op-callback limitation for
+# functional control flow) or that are themselves calls of other graphs.
+_NOT_REPLACEABLE = frozenset((
+    "If", "StatelessIf", "While", "StatelessWhile", "Case", "StatelessCase",
+    "PartitionedCall", "StatefulPartitionedCall", "Placeholder", "Const",
+))
+
+_pending = threading.local()
+
+
+def checkpoint_name(x: Any, name: str) -> Any:
+    """Names a tensor inside a checkpointed function, so that a policy such as
+    :func:`~tf_checkpointing.policies.save_only_these_names` can keep it.
+
+    Outside a checkpointed call it returns ``x`` itself (no op is added).
+
+    Args:
+        x: a tensor (or any nest of tensors) computed inside the function.
+        name: the name policies see (``OpOutput.name``).
+
+    Returns:
+        ``x`` (inside a checkpointed call: an identity of it carrying the name).
+
+    Example:
+        >>> import tensorflow as tf
+        >>> from tf_checkpointing import checkpoint_name
+        >>> x = tf.ones([2])
+        >>> checkpoint_name(x, "q") is x
+        True
+    """
+    if not isinstance(name, str):
+        raise TypeError(
+            "checkpoint_name: argument `name` must be a str; received "
+            f"{name!r} of type {type(name).__name__}. Pass e.g. checkpoint_name(q, 'q_proj')."
+        )
+    if not is_checkpointing():
+        return x
+    previous = getattr(_pending, "name", None)
+    _pending.name = name
+    try:
+        return tf.nest.map_structure(lambda t: _named(t, name), x)
+    finally:
+        _pending.name = previous
+
+
+def _named(x: Any, name: str) -> Any:
+    if not isinstance(x, tf.Tensor):
+        return x
+    y = tf.identity(x)
+    if not tf.executing_eagerly():  # for saved_residuals' listing
+        _residuals.checkpoint_names.setdefault(y.graph, {})[y.op.name] = name
+    return y
+
+
+def candidate_outputs(op_type: str, inputs: Any, outputs: Any, op_name: Optional[str],
+                      graph: Any) -> Optional[list[policies.OpOutput]]:
+    """The records a policy is asked about for one op, or None if the op can
+    neither be kept nor replaced (control flow, variable access, no outputs)."""
+    if not outputs or op_type in _NOT_REPLACEABLE:
+        return None
+    if any(getattr(t, "dtype", None) in (tf.resource, tf.variant) for t in inputs):
+        return None
+    name = getattr(_pending, "name", None) if op_type == "Identity" else None
+    attrs = {}
+    if op_type == "Einsum" and graph is not None and op_name is not None:
+        attrs["equation"] = graph.get_operation_by_name(op_name).get_attr("equation")
+    input_shapes = tuple(t.shape for t in inputs)
+    return [
+        policies.OpOutput(op_type, op_name, name, t.shape, t.dtype, input_shapes, i, attrs)
+        for i, t in enumerate(outputs)
+    ]
+
+
+def keeps(policy: Callable[[policies.OpOutput], Any], record: policies.OpOutput) -> bool:
+    """Asks the policy about one floating tensor (integer and boolean results,
+    such as shapes and masks, are never kept: they are cheap or not
+    differentiable)."""
+    if not (record.dtype.is_floating or record.dtype.is_complex):
+        return False
+    return bool(policy(record))
+
+
+class Saver:
+    """The kept tensors of one checkpointed call, used by its forward and replays.
+
+    ``active()`` around the function body records on the first (forward) call
+    and substitutes on the following (replay) calls.
+    """
+
+    def __init__(self, policy: Callable[[policies.OpOutput], Any]) -> None:
+        self.policy = policy
+        # Per candidate op, in creation order: (op type, output shapes, kept
+        # outputs by index). Tensors of a graph: they cost nothing here, the
+        # graph keeps the ones the backward reads.
+        self.ops: list[tuple[str, tuple, dict[int, tf.Tensor]]] = []
+        self.recorded = False
+
+    @contextlib.contextmanager
+    def active(self, inputs: Sequence[tf.Tensor] = ()) -> Iterator[None]:
+        """Records in the forward, substitutes in a replay. ``inputs``: the
+        call's tensor inputs; in a replay they depend on the incoming gradient,
+        and so will the substituted values (see ``_Substitute``)."""
+        if tf.executing_eagerly():
+            yield  # eager: see the module docstring
+            return
+        callback = _Substitute(self, inputs) if self.recorded else _Record(self)
+        self.recorded = True
+        op_callbacks.add_op_callback(callback)
+        try:
+            yield
+        finally:
+            op_callbacks.remove_op_callback(callback)
+
+    @property
+    def kept(self) -> list[tf.Tensor]:
+        return [t for _, _, kept in self.ops for t in kept.values()]
+
+
+class _Record:
+    def __init__(self, saver: Saver) -> None:
+        self.saver = saver
+        self.graph = tf.compat.v1.get_default_graph()
+
+    def __call__(self, op_type, inputs, attrs, outputs, op_name=None, graph=None):
+        if graph is not self.graph:
+            return outputs
+        records = candidate_outputs(op_type, inputs, outputs, op_name, graph)
+        if records is None:
+            return outputs
+        kept = {r.index: outputs[r.index] for r in records if keeps(self.saver.policy, r)}
+        self.saver.ops.append((op_type, tuple(tuple(t.shape) for t in outputs), kept))
+        return outputs
+
+
+class _Substitute:
+    """Replaces kept ops' outputs in a replay by ``kept + zero``, where ``zero``
+    is computed from the replay's inputs, which depend on the incoming gradient
+    (``_recompute._fresh_copies``). Without that dependency the ops downstream
+    of a kept tensor would depend on forward tensors only, and the executor or
+    XLA would run them during the forward and hold their results until the
+    backward: more memory than no checkpointing at all."""
+
+    def __init__(self, saver: Saver, inputs: Sequence[tf.Tensor]) -> None:
+        self.saver = saver
+        self.graph = tf.compat.v1.get_default_graph()
+        self.position = 0
+        self.broken = False
+        self.anchor = next((t for t in inputs if t.shape.num_elements() != 0), None)
+        self.zero: Optional[tf.Tensor] = None
+
+    def _after_gradient(self, kept: tf.Tensor) -> tf.Tensor:
+        if self.anchor is None:
+            return tf.identity(kept)
+        if self.zero is None:
+            first = tf.reshape(self.anchor, [-1])[:1]
+            as_bool = tf.cast(tf.reduce_max(tf.cast(first, tf.float32)), tf.bool)
+            # Always zero (a bool equals itself), but no optimizer can prove it.
+            self.zero = tf.where(tf.equal(as_bool, as_bool), 0.0, float("nan"))
+        return kept + tf.cast(self.zero, kept.dtype)
+
+    def __call__(self, op_type, inputs, attrs, outputs, op_name=None, graph=None):
+        if self.broken or graph is not self.graph:
+            return outputs
+        if candidate_outputs(op_type, inputs, outputs, op_name, graph) is None:
+            return outputs
+        ops = self.saver.ops
+        if self.position >= len(ops):
+            self.broken = True
+            return outputs
+        recorded_type, shapes, kept = ops[self.position]
+        self.position += 1
+        if recorded_type != op_type or shapes != tuple(tuple(t.shape) for t in outputs):
+            self.broken = True  # another graph than the forward's: recompute
+            return outputs
+        if not kept:
+            return outputs
+        replaced = [self._after_gradient(kept[i]) if i in kept else t
+                    for i, t in enumerate(outputs)]
+        names = _residuals.substitutions.setdefault(self.graph, set())
+        names.update(replaced[i].op.name for i in kept)
+        return replaced
+
+
+NO_SAVER: Any = type("_NoSaver", (), {"active": staticmethod(contextlib.nullcontext)})()

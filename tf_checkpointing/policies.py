@@ -1,0 +1,231 @@
+"""Save policies: which results of a checkpointed call to keep instead of replaying.
+
+A checkpointed call keeps only its inputs and replays everything in backprop.
+With a policy it also keeps the outputs of the ops the policy chooses (typically
+the expensive ones: matrix products and convolutions), and its replay reuses
+them instead of computing them again; only the cheap ops around them (element-wise
+ops, normalizations, softmax, dropout) are replayed. This is JAX's
+``jax.checkpoint(policy=...)`` and PyTorch's selective activation checkpointing
+for TensorFlow.
+
+A policy is a callable taking one :class:`OpOutput` (a tensor produced inside the
+checkpointed call) and returning True to keep it. The module-level policies below
+are such callables; ``save_only_these_names`` and ``save_anything_except_these_names``
+build one from names given with :func:`tf_checkpointing.checkpoint_name`.
+
+Example:
+    >>> import tensorflow as tf
+    >>> from tf_checkpointing import checkpointable, policies
+    >>> @checkpointable(checkpoint=True, policy=policies.dots_saveable)
+    ... def block(x, w):
+    ...     return tf.nn.gelu(x @ w)
+    >>> x, w = tf.ones([2, 3]), tf.Variable(tf.ones([3, 3]))
+    >>> with tf.GradientTape() as tape:
+    ...     y = tf.reduce_sum(block(x, w))
+    >>> tape.gradient(y, w).shape
+    TensorShape([3, 3])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional
+
+import tensorflow as tf
+
+__all__ = [
+    "OpOutput",
+    "Policy",
+    "dots_saveable",
+    "dots_with_no_batch_dims_saveable",
+    "everything_saveable",
+    "nothing_saveable",
+    "save_anything_except_these_names",
+    "save_only_these_names",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class OpOutput:
+    """One tensor produced inside a checkpointed call, as a policy sees it.
+
+    Attributes:
+        op_type: the op's type, e.g. ``"MatMul"``, ``"Conv2D"``, ``"Identity"``.
+        op_name: the op's name in the graph (``None`` in eager execution).
+        name: the name given with :func:`tf_checkpointing.checkpoint_name`, or None.
+        shape: the tensor's static shape (a ``tf.TensorShape``).
+        dtype: the tensor's dtype.
+        input_shapes: the static shapes of the op's inputs.
+        index: which output of the op this is (0 for single-output ops).
+        attrs: the op's attributes that policies may need (e.g. ``"equation"``
+            of an ``Einsum``), as Python values.
+    """
+
+    op_type: str
+    op_name: Optional[str]
+    name: Optional[str]
+    shape: tf.TensorShape
+    dtype: tf.DType
+    input_shapes: tuple[tf.TensorShape, ...] = ()
+    index: int = 0
+    attrs: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False)
+
+
+Policy = Callable[[OpOutput], bool]
+
+# Matrix products and convolutions as TensorFlow and Keras emit them, and the fused
+# forms Grappler's remapper and oneDNN rewrite them into.
+DOT_OPS = frozenset((
+    "MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum",
+    "_FusedMatMul", "_MklMatMul", "_MklFusedMatMul", "_FusedBatchMatMulV2",
+    "SparseMatMul", "QuantizedMatMul",
+))
+CONV_OPS = frozenset((
+    "Conv1D", "Conv2D", "Conv3D", "DepthwiseConv2dNative", "Conv2DBackpropInput",
+    "Conv3DBackpropInputV2", "_FusedConv2D", "_FusedConv3D",
+    "_FusedDepthwiseConv2dNative", "_MklConv2D", "_MklFusedConv2D",
+))
+
+
+def nothing_saveable(out: OpOutput) -> bool:
+    """Keep nothing but the call's inputs: replay everything (the default)."""
+    return False
+
+
+def everything_saveable(out: OpOutput) -> bool:
+    """Keep everything: no replay at all (the call is run as plain TensorFlow)."""
+    return True
+
+
+def dots_saveable(out: OpOutput) -> bool:
+    """Keep the outputs of matrix products and convolutions (``MatMul``,
+    ``BatchMatMulV2/V3``, ``Einsum``, ``Conv2D``/``Conv3D``,
+    ``DepthwiseConv2dNative`` and their fused forms), replay the rest.
+    TF1's ``checkpoints='speed'``, JAX's ``dots_saveable``."""
+    return out.op_type in DOT_OPS or out.op_type in CONV_OPS
+
+
+def dots_with_no_batch_dims_saveable(out: OpOutput) -> bool:
+    """Keep the outputs of matrix products that have no batch dimension, as JAX
+    defines it: a dimension of both operands that is neither contracted nor
+    broadcast (attention's ``q @ k^T`` per head has one, a ``Dense`` layer's
+    ``x @ kernel`` has none, even on a 3-D ``x``). Convolutions are not kept."""
+    if out.op_type in ("MatMul", "_FusedMatMul", "_MklMatMul", "_MklFusedMatMul"):
+        return True
+    if out.op_type.startswith("BatchMatMul") or out.op_type == "_FusedBatchMatMulV2":
+        ranks = [s.rank for s in out.input_shapes]
+        return any(r is not None and r <= 2 for r in ranks)
+    if out.op_type == "Einsum":
+        return not _einsum_batch_labels(out.attrs.get("equation"))
+    return False
+
+
+def _einsum_batch_labels(equation: Any) -> set[str]:
+    """Labels present in both operands and in the output (``...`` counts as one)."""
+    if isinstance(equation, bytes):
+        equation = equation.decode()
+    if not isinstance(equation, str) or "->" not in equation:
+        return {"?"}  # unknown: assume a batch dimension, keep nothing
+    operands, output = equation.replace(" ", "").replace("...", ".").split("->")
+    terms = operands.split(",")
+    if len(terms) != 2:
+        return {"?"}
+    return set(terms[0]) & set(terms[1]) & set(output)
+
+
+def save_only_these_names(*names: str) -> Policy:
+    """A policy keeping only the tensors named with
+    :func:`tf_checkpointing.checkpoint_name` as one of ``names``.
+
+    Example:
+        >>> from tf_checkpointing import policies
+        >>> keep = policies.save_only_these_names("attn_proj", "mlp_out")
+    """
+    wanted = _expect_names("save_only_these_names", names)
+
+    def policy(out: OpOutput) -> bool:
+        return out.name is not None and out.name in wanted
+
+    policy.__name__ = policy.__qualname__ = f"save_only_these_names{tuple(sorted(wanted))}"
+    policy._config = ("save_only_these_names", sorted(wanted))  # type: ignore[attr-defined]
+    return policy
+
+
+def save_anything_except_these_names(*names: str) -> Policy:
+    """A policy keeping every tensor except those named with
+    :func:`tf_checkpointing.checkpoint_name` as one of ``names`` (only these,
+    and what they need that nothing kept provides, are replayed)."""
+    unwanted = _expect_names("save_anything_except_these_names", names)
+
+    def policy(out: OpOutput) -> bool:
+        return out.name is None or out.name not in unwanted
+
+    policy.__name__ = policy.__qualname__ = (
+        f"save_anything_except_these_names{tuple(sorted(unwanted))}")
+    policy._config = ("save_anything_except_these_names", sorted(unwanted))  # type: ignore
+    return policy
+
+
+def _expect_names(where: str, names: tuple) -> frozenset[str]:
+    for name in names:
+        if not isinstance(name, str):
+            raise TypeError(
+                f"policies.{where}: every name must be a str; received {name!r} of type "
+                f"{type(name).__name__}. Pass the names given to checkpoint_name, e.g. "
+                f'policies.{where}("attn_proj", "mlp_out").'
+            )
+    return frozenset(names)
+
+
+def resolve(policy: Any, argument: str = "policy") -> Optional[Policy]:
+    """Validates a ``policy=`` / ``_policy=`` value: None or ``nothing_saveable``
+    (keep only the inputs) become None; any other callable is returned as is."""
+    if policy is None or policy is nothing_saveable:
+        return None
+    if callable(policy) and not isinstance(policy, (type, str, tf.Tensor)):
+        return policy
+    if isinstance(policy, str) and hasattr(_module(), policy):
+        fix = f"policy=tf_checkpointing.policies.{policy}"
+    else:
+        fix = "policy=tf_checkpointing.policies.dots_saveable"
+    raise TypeError(
+        f"checkpointable: argument `{argument}` must be None or a save policy (a callable "
+        "taking a tf_checkpointing.policies.OpOutput and returning a bool, such as "
+        f"tf_checkpointing.policies.dots_saveable); received {policy!r} of type "
+        f"{type(policy).__name__}. Pass e.g. {fix}."
+    )
+
+
+def to_config(policy: Optional[Policy]) -> Any:
+    """A policy as a config value (for ``get_config``): None, the name of a
+    policy of this module, ``[factory, names]``, or a Keras-serialized function."""
+    if policy is None:
+        return None
+    if hasattr(policy, "_config"):
+        return list(policy._config)
+    name = getattr(policy, "__name__", "")
+    if getattr(_module(), name, None) is policy:
+        return name
+    import keras
+
+    return keras.saving.serialize_keras_object(policy)
+
+
+def from_config(config: Any) -> Any:
+    """The inverse of :func:`to_config` (anything else is returned as is)."""
+    if isinstance(config, str) and config in __all__ and config != "OpOutput":
+        return getattr(_module(), config)
+    if isinstance(config, (list, tuple)) and len(config) == 2 and config[0] in (
+            "save_only_these_names", "save_anything_except_these_names"):
+        return getattr(_module(), config[0])(*config[1])
+    if isinstance(config, dict):
+        import keras
+
+        return keras.saving.deserialize_keras_object(config)
+    return config
+
+
+def _module() -> Any:
+    import sys
+
+    return sys.modules[__name__]
