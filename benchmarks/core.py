@@ -1,4 +1,4 @@
-"""Issue 2, the core benchmark: `checkpointable` vs plain TF vs `tf.recompute_grad`.
+"""The core benchmark: `checkpointable` vs plain TF vs `tf.recompute_grad`.
 
 A chain of 32 `Dense(256, activation="gelu")` layers on a batch of 8192, each layer
 checkpointed separately, in eager, tf.function and XLA: peak memory and step time
@@ -12,7 +12,7 @@ Targets: peak memory <= 1.02x `tf.recompute_grad`'s in every mode; step time
 <= 1.35x plain under tf.function; no-tape overhead <= 5%.
 
 Usage:
-    python benchmarks/core.py                     # the issue's shapes, ~3-5 min on 2 cores
+    python benchmarks/core.py                     # the full shapes, ~3-5 min on 2 cores
     python benchmarks/core.py --layers 4 --batch 64 --out /tmp/core   # smoke test
 
 Prints the tables with pass/fail and writes `core.json` (and `core.md`) to --out

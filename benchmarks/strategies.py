@@ -19,7 +19,7 @@
 
 `tf.recompute_grad` accepts keyword arguments only in eager mode, so for the two
 peers `training=True` is closed over and the state's tensors are passed positionally:
-their best use, not a strawman. The last two strategies need the issue-4 API; where
+their best use, not a strawman. The last two strategies need the chain API; where
 `tf_checkpointing` does not export it yet, `unavailable_reason` says so and the run
 skips them. A chain may carry a `note` (the budget plan describes its schedule).
 
@@ -57,7 +57,7 @@ class Strategy:
 
         if hasattr(tf_checkpointing, self.needs):
             return None
-        return f"tf_checkpointing.{self.needs} is not exported (issue 4)"
+        return f"tf_checkpointing.{self.needs} is not exported by this version"
 
 
 def _plain(blocks: list, options: dict) -> Chain:
