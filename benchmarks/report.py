@@ -199,8 +199,18 @@ def environment() -> dict[str, Any]:
         gpus=[d.name for d in tf.config.list_logical_devices("GPU")],
         load_average=list(os.getloadavg()),
         TF_CPU_ALLOCATOR_USE_BFC=os.environ.get("TF_CPU_ALLOCATOR_USE_BFC"),
+        onednn=_onednn_enabled(),
         git_commit=_git("rev-parse", "HEAD"), git_dirty=bool(_git("status", "--porcelain")))
     return env
+
+
+def _onednn_enabled() -> Any:
+    """Whether TensorFlow runs oneDNN kernels: CPU peaks depend on it (see _cli.py)."""
+    try:
+        from tensorflow.python.util import _pywrap_util_port  # no public API says it
+        return bool(_pywrap_util_port.IsMklEnabled())
+    except (ImportError, AttributeError):
+        return None
 
 
 def write_outputs(out_dir: Path, stem: str, report: str, payload: dict[str, Any],

@@ -74,6 +74,9 @@ def test_tiny_run_measures_every_model_and_strategy(tiny_run):
     assert {r["model"] for r in results} == {"mlp", "gpt2", "unet"}
     assert {r["mode"] for r in results} == {"eager", "function", "xla"}
     assert payload["environment"]["TF_CPU_ALLOCATOR_USE_BFC"] == "true"
+    # The scripts pin oneDNN on (the U-Net's peaks depend on it) unless the caller set it.
+    pinned = os.environ.get("TF_ENABLE_ONEDNN_OPTS", "1").lower() in ("1", "true")
+    assert payload["environment"]["onednn"] is pinned
     for r in results:
         if r["strategy"] in ("sqrt_segments", "budget_plan") and r["status"] == "skipped":
             assert "not exported" in r["note"]
