@@ -86,3 +86,37 @@ def test_a_ragged_output_is_not_flagged_by_its_shape_checks(mode):
         warnings.simplefilter("error")
         ours = step(checkpointable(body, checkpoint=True, check=True))(x)
     assert_all_close(ours, step(body)(x))
+
+
+def passes_x_through(x, w):
+    return x, tf.sin(x * w) * x
+
+
+def test_an_argument_returned_as_it_is_gets_the_plain_gradient(mode):
+    """The returned argument stays that tensor, so a gradient with respect to it
+    includes the path through the other output, exactly as without checkpointing;
+    nothing is flagged."""
+    calls = []
+
+    def counted(x, w):
+        calls.append(1)
+        return passes_x_through(x, w)
+
+    def make_step(fn):
+        w = tf.Variable(1.5, name="w")
+
+        def step(x):
+            with tf.GradientTape(persistent=True) as tape:
+                tape.watch(x)
+                x_out, y = fn(x, w)
+                loss = tf.reduce_sum(x_out * 2.0 + y)
+            return loss, tape.gradient(loss, [x, w]), tape.gradient(loss, x_out)
+
+        return compile_step(step, mode)
+
+    x = tf.constant([0.3, 1.2])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ours = make_step(checkpointable(counted, checkpoint=True, check=True))(x)
+    assert_all_close(ours, make_step(passes_x_through)(x))
+    assert len(calls) == 3  # the forward, and one replay per tape.gradient call

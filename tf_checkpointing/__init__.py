@@ -9,7 +9,7 @@ gives exact gradients.
 
 from tf_checkpointing import policies
 from tf_checkpointing._decorator import checkpointable
-from tf_checkpointing._errors import ReplayMismatchError
+from tf_checkpointing._errors import ChainedOutputWarning, ReplayMismatchError
 from tf_checkpointing._flags import is_checkpointing, is_recomputing
 from tf_checkpointing._keras import apply_checkpointing
 from tf_checkpointing._memory import MemoryStats, measure, peak_memory
@@ -21,6 +21,7 @@ from tf_checkpointing._version import __version__ as __version__
 from tf_checkpointing.planning import Segment, SequentialPlan, plan_sequential
 
 __all__ = [
+    "ChainedOutputWarning",
     "CheckpointedSequential",
     "MemoryStats",
     "RematScope",

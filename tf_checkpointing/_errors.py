@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["ReplayMismatchError"]
+__all__ = ["ChainedOutputWarning", "ReplayMismatchError"]
 
 
 class ReplayMismatchError(RuntimeError):
@@ -30,4 +30,22 @@ class ReplayMismatchError(RuntimeError):
         ... except ReplayMismatchError as error:
         ...     print(str(error)[:60])
         checkpointable: the replay of `<lambda>` computed other valu
+    """
+
+
+class ChainedOutputWarning(UserWarning):
+    """A checkpointed call returns an output that it also uses to compute another
+    of its outputs (a U-Net block returning ``skip`` and ``pool(skip)``).
+
+    Gradients with respect to the call's inputs and variables, which is what
+    training takes, are exact. Only ``tape.gradient(loss, that_output)`` would miss
+    the path through the outputs computed from it, because the outer tape sees the
+    outputs of one checkpointed call as independent. Warned once per function; the
+    check mode (``check=True``) raises instead. If you never take a gradient with
+    respect to that output, silence it:
+
+    Example:
+        >>> import warnings
+        >>> from tf_checkpointing import ChainedOutputWarning
+        >>> warnings.filterwarnings("ignore", category=ChainedOutputWarning)
     """

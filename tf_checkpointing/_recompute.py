@@ -105,7 +105,7 @@ def checkpointed_call(
     def forward(*inputs: tf.Tensor):
         out = Flattened(replay.run_forward(inputs))
         refuse_opaque_outputs(replay.name, out.leaves)
-        replay.note_outputs(out)
+        replay.note_outputs(out, inputs)
         consumed, replay.consumed = replay.consumed, None
         refuse_chained_outputs(replay.name, out.leaves, replay.out_positions, consumed,
                                strict=bool(replay.check))
@@ -188,8 +188,13 @@ class _Replay:
                     self.recorder.restore_before()
                 raise
 
-    def note_outputs(self, out: Flattened) -> None:
-        self.out_positions = out.differentiable
+    def note_outputs(self, out: Flattened, inputs: Sequence[tf.Tensor]) -> None:
+        # An argument returned as it is stays that very tensor, outside the custom
+        # gradient: the outer tape then sees every path from it, as in the plain call
+        # (routed through, it would look independent of the outputs computed from it).
+        passed_through = {id(x) for x in inputs}
+        self.out_positions = [i for i in out.differentiable
+                              if id(out.leaves[i]) not in passed_through]
         if self.check:
             self.out_signature = _signature(out)
         if self.check == "values":

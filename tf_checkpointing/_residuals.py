@@ -46,6 +46,14 @@ class Residual:
             policy"`` when a replay reuses it instead of recomputing it.
         kind: ``"activation"`` (allocated by the forward: counted in the
             total), ``"argument"`` or ``"variable"`` (allocated before the call).
+
+    Example:
+        >>> import tensorflow as tf
+        >>> from tf_checkpointing import saved_residuals
+        >>> w = tf.Variable(tf.ones([4, 4]))
+        >>> kept = saved_residuals(lambda x: tf.nn.relu(x @ w), tf.ones([2, 4]))
+        >>> [(r.kind, r.producer, r.bytes) for r in kept if r.kind == "activation"]
+        [('activation', 'Relu Relu', 32)]
     """
 
     producer: str

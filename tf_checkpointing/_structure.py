@@ -41,6 +41,8 @@ from typing import Any, Optional
 import tensorflow as tf
 from tensorflow.python.ops import tensor_array_ops
 
+from tf_checkpointing._errors import ChainedOutputWarning
+
 __all__: list[str] = []
 
 # Composite tensors expanded to their components. Not every CompositeTensor:
@@ -182,9 +184,11 @@ def refuse_chained_outputs(name: str, leaves: Sequence[Any], positions: Sequence
         "for such an output would miss the path through the outputs computed from it "
         "(gradients with respect to the call's inputs and variables are exact). Return "
         "only the final outputs, split the block into two checkpointed calls (the second "
-        "taking that output as an argument), or call it with _checkpoint=False."
+        "taking that output as an argument), or call it with _checkpoint=False. If you "
+        "never take a gradient with respect to that output, nothing is wrong: silence this "
+        "with warnings.filterwarnings('ignore', category=tf_checkpointing.ChainedOutputWarning)."
     )
     if strict:
         raise ValueError(message)
     _warned_chained.add(name)
-    warnings.warn(message, UserWarning, stacklevel=2)
+    warnings.warn(message, ChainedOutputWarning, stacklevel=2)
