@@ -12,13 +12,20 @@ from tf_checkpointing._flags import is_checkpointing, is_recomputing
 from tf_checkpointing._keras import apply_checkpointing
 from tf_checkpointing._memory import MemoryStats, measure, peak_memory
 from tf_checkpointing._sequential import CheckpointedSequential, checkpoint_sequential
-from tf_checkpointing.planning import Segment, SequentialPlan, plan_sequential
+from tf_checkpointing.planning import (
+    ModelPlan,
+    Segment,
+    SequentialPlan,
+    plan_model,
+    plan_sequential,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointedSequential",
     "MemoryStats",
+    "ModelPlan",
     "Segment",
     "SequentialPlan",
     "apply_checkpointing",
@@ -28,5 +35,6 @@ __all__ = [
     "is_recomputing",
     "measure",
     "peak_memory",
+    "plan_model",
     "plan_sequential",
 ]

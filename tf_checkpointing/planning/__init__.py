@@ -2,10 +2,13 @@
 
 Each concern is one module: :mod:`._profile` measures what each layer keeps
 and costs, :mod:`._plan` holds the plan types, :mod:`._chain` solves for the
-schedule of a chain of layers within a memory budget.
+schedule of a chain of layers within a memory budget; :mod:`._graph` reads a
+functional model's layer graph and :mod:`._regions` / :mod:`._model` plan
+checkpointed regions of it.
 """
 
 from tf_checkpointing.planning._chain import plan_sequential
+from tf_checkpointing.planning._model import ModelPlan, plan_model
 from tf_checkpointing.planning._plan import Segment, SequentialPlan
 
-__all__ = ["Segment", "SequentialPlan", "plan_sequential"]
+__all__ = ["ModelPlan", "Segment", "SequentialPlan", "plan_model", "plan_sequential"]
