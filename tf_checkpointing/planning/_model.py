@@ -228,7 +228,7 @@ def _profile(graph: LayerGraph, inputs: Any, *, compiled: bool,
     calls = [functools.partial(_step, graph.calls[i], alive[i], alive[i + 1], sizes)
              for i in range(n)]
     profile = profile_chain(calls, start, names=[c.name for c in graph.calls], api=api,
-                            compiled=compiled)
+                            compiled=compiled, same_as=_repeats(graph))
     readers = graph.consumers()
     layers = profile.layers
     costs = GraphCosts(
@@ -245,6 +245,25 @@ def _profile(graph: LayerGraph, inputs: Any, *, compiled: bool,
         readers=[readers.get(k, []) for k in keys],
         floating=np.array([sizes.get(k, (0, False))[1] for k in keys]))
     return profile, costs
+
+
+def _repeats(graph: LayerGraph) -> list[int]:
+    """For each call, the first call that computes the same thing: the same
+    layer class and configuration (but the name) on the same argument shapes."""
+    first: dict[Any, int] = {}
+    same_as = []
+    for i, call in enumerate(graph.calls):
+        try:
+            config = dict(call.layer.get_config())
+            config.pop("name", None)
+            shapes = [(tuple(t.shape), str(t.dtype)) for t in call.arguments.keras_tensors]
+            arguments = call.arguments.convert(lambda v: "T" if hasattr(v, "shape") else v)
+            key = repr((type(call.layer), sorted(config.items()), shapes, arguments,
+                        [tuple(w.shape) for w in call.layer.weights]))
+        except Exception:  # noqa: BLE001 - no config: profiled on its own
+            key = ("unique", i)
+        same_as.append(first.setdefault(key, i))
+    return same_as
 
 
 def _costs(seconds: np.ndarray) -> np.ndarray:

@@ -182,7 +182,8 @@ class _Allocator:
 
 
 def profile_chain(calls: Sequence[Callable[[Any], Any]], inputs: Any, *,
-                  names: Sequence[str], api: str, compiled: bool = False) -> ChainProfile:
+                  names: Sequence[str], api: str, compiled: bool = False,
+                  same_as: Optional[Sequence[int]] = None) -> ChainProfile:
     """Runs the chain ``calls`` on ``inputs`` and measures each layer.
 
     ``calls[i](x)`` runs layer ``i`` (with its keywords bound). Runs eagerly in
@@ -194,12 +195,15 @@ def profile_chain(calls: Sequence[Callable[[Any], Any]], inputs: Any, *,
     ``tf.function``: each layer's forward and backward run as one graph, read
     between the two (a graph keeps only the intermediates its backward reads,
     and frees them as the backward goes), and ``plain_peak_bytes`` is the
-    whole chain's, measured as one graph.
+    whole chain's, measured as one graph. ``same_as[i] = j < i`` says call
+    ``i`` is the same computation as call ``j`` (same layer configuration on
+    the same shapes: ResNet50 repeats its blocks): its graph is not traced and
+    measured again, it gets ``j``'s readings.
     """
-    return _in_fresh_thread(_profile, calls, inputs, names, api, compiled)
+    return _in_fresh_thread(_profile, calls, inputs, names, api, compiled, same_as)
 
 
-def _profile(calls, inputs, names, api, compiled) -> ChainProfile:
+def _profile(calls, inputs, names, api, compiled, same_as=None) -> ChainProfile:
     x = _concrete_inputs(inputs, api)
     device = _memory_device(x, api)
     recorder = StateRecorder()
@@ -209,7 +213,8 @@ def _profile(calls, inputs, names, api, compiled) -> ChainProfile:
                 x = call(x)
             x = _concrete_inputs(inputs, api)
             if compiled:
-                return _graph_profile(calls, x, device, names)
+                return _graph_profile(calls, x, device, names,
+                                      same_as or list(range(len(calls))))
             untaped, seconds, sizes = _untaped_pass(calls, x, device)
             return _taped_pass(calls, x, device, names, untaped, seconds, sizes)
         finally:
@@ -233,9 +238,10 @@ def _taped(call: Callable[[Any], Any], x: Any) -> tuple[tf.GradientTape, Any]:
     return tape, y
 
 
-def _graph_profile(calls, x, device, names) -> ChainProfile:
+def _graph_profile(calls, x, device, names, same_as) -> ChainProfile:
     """The profile of a ``tf.function`` training step (see :func:`profile_chain`)."""
-    graphs = [tf.function(call, autograph=False) for call in calls]
+    graphs = [tf.function(call, autograph=False) if same_as[i] == i else call
+              for i, call in enumerate(calls)]
     y = x
     for graph in graphs:  # trace them before any reading
         y = graph(y)
@@ -243,6 +249,15 @@ def _graph_profile(calls, x, device, names) -> ChainProfile:
     plain_peak = _graph_plain_peak(calls, x, device)
     layers, grad_sizes, y_grad_bytes = [], [], 0
     for i, call in enumerate(calls):
+        j = same_as[i]
+        if j != i:  # the same computation as an earlier call: its readings
+            layers.append(dataclasses.replace(layers[j], name=names[i]))
+            y = call(x)
+            x_grad_bytes = _nbytes([t for t in tf.nest.flatten(x) if is_differentiable(t)])
+            y_grad_bytes = _nbytes([t for t in tf.nest.flatten(y) if is_differentiable(t)])
+            grad_sizes.append(x_grad_bytes)
+            x = y
+            continue
         layer, x_grad_bytes, y_grad_bytes = _graph_layer(call, x, device, names[i])
         layers.append(dataclasses.replace(layer, untaped_peak_bytes=untaped[i],
                                           seconds=seconds[i]))
