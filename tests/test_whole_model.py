@@ -206,3 +206,14 @@ def test_costly_selection_warns_and_names_the_budget():
     with warnings.catch_warnings():  # a multi-layer block: no prediction, no warning
         warnings.simplefilter("error")
         tc.apply_checkpointing(nested(), ["inner"])
+
+
+@pytest.mark.parametrize("api", ["checkpoint_sequential", "CheckpointedSequential"])
+def test_chain_apis_say_a_dag_is_not_a_chain(api):
+    model = residual_net(count=False)
+    with pytest.raises(ValueError, match=r"not a chain: layer 'add0'.*apply_checkpointing\("
+                                         r"model, budget="):
+        if api == "checkpoint_sequential":
+            tc.checkpoint_sequential(model.layers, tf.ones([1, 8, 8, 3]))
+        else:
+            tc.CheckpointedSequential(model.layers[1:])

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Any
+from typing import Any, Optional
 
 import keras
 from keras.src.models.functional import operation_fn as _operation_fn
@@ -185,3 +185,28 @@ def tensor_keys(graph: LayerGraph) -> list[Key]:
     for call in graph.calls:
         keys.extend(call.out_keys)
     return list(dict.fromkeys(keys))
+
+
+def chain_break(layers: list[Any]) -> Optional[str]:
+    """Why ``layers`` (e.g. ``model.layers`` of a functional model) is not a
+    chain, from the graph their calls recorded; None when it may be one.
+
+    Only layers called once in a graph are judged (a layer called elsewhere
+    too may well be used as a chain here)."""
+    previous = None
+    for i, layer in enumerate(layers):
+        nodes = getattr(layer, "_inbound_nodes", None)
+        if isinstance(layer, keras.layers.InputLayer) or not nodes or len(nodes) != 1:
+            previous = layer
+            continue
+        sources = [getattr(getattr(t, "_keras_history", None), "operation", None)
+                   for t in nodes[0].arguments.keras_tensors]
+        names = [getattr(s, "name", "?") for s in sources]
+        if len(sources) > 1:
+            return (f"layer {layer.name!r} (index {i}) takes {len(sources)} inputs, from "
+                    f"{', '.join(map(repr, names))}")
+        if previous is not None and sources and sources[0] is not previous:
+            return (f"layer {layer.name!r} (index {i}) reads the output of {names[0]!r}, "
+                    f"not of the layer before it, {previous.name!r}")
+        previous = layer
+    return None

@@ -37,6 +37,7 @@ import tensorflow as tf
 
 from tf_checkpointing._recompute import is_differentiable
 from tf_checkpointing._state import StateRecorder
+from tf_checkpointing.planning._graph import chain_break
 
 __all__: list[str] = []
 
@@ -63,6 +64,15 @@ def validate_layers(layers: Any, api: str) -> list[Any]:
             f"{api}: argument `layers` must contain at least one layer; received an "
             "empty list. Pass the chain to run, e.g. [keras.layers.Dense(64) for _ in "
             "range(8)]."
+        )
+    reason = chain_break(layers)
+    if reason is not None:
+        raise ValueError(
+            f"{api}: argument `layers` must form a chain (each layer fed the previous "
+            f"one's output), but these layers come from a model graph that is not a "
+            f"chain: {reason}. Checkpoint the whole model instead, with regions chosen "
+            "for a memory budget: apply_checkpointing(model, budget=...) (bytes, or "
+            "'min'), or plan_model(model, inputs, budget=...) to see the plan first."
         )
     for i, layer in enumerate(layers):
         if not callable(layer) or isinstance(layer, type):
