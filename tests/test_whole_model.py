@@ -217,3 +217,14 @@ def test_chain_apis_say_a_dag_is_not_a_chain(api):
             tc.checkpoint_sequential(model.layers, tf.ones([1, 8, 8, 3]))
         else:
             tc.CheckpointedSequential(model.layers[1:])
+
+
+def test_xla_plans_are_scaled_to_the_measured_xla_step():
+    keras.utils.set_random_seed(0)
+    layers = [keras.layers.Dense(64, activation="relu") for _ in range(6)]
+    x = tf.random.normal([256, 64])
+    plan = tc.plan_sequential(layers, x, budget=2**30, mode="xla")
+    assert plan.profile.compiled and plan.profile.xla
+    model = residual_net(count=False)
+    assert tc.plan_model(model, tf.random.normal([2, 8, 8, 3]), budget="min",
+                         mode="xla").mode == "xla"

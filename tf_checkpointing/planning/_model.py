@@ -16,7 +16,6 @@ from typing import Any, Optional, Union
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.ops import control_flow_util
 
 from tf_checkpointing.planning._chain import _expect_budget
 from tf_checkpointing.planning._graph import (
@@ -26,7 +25,7 @@ from tf_checkpointing.planning._graph import (
     run_call,
     tensor_keys,
 )
-from tf_checkpointing.planning._profile import ChainProfile, profile_chain
+from tf_checkpointing.planning._profile import ChainProfile, in_xla_context, profile_chain
 from tf_checkpointing.planning._regions import GraphCosts, RegionModel, solve
 
 __all__ = ["ModelPlan", "plan_model"]
@@ -34,6 +33,8 @@ __all__ = ["ModelPlan", "plan_model"]
 _API = "plan_model"
 _HEADROOM = 0.05
 _MODES = ("auto", "eager", "graph", "xla")
+_CACHE_SIZE = 4
+_profiles: dict[Any, tuple[Any, ChainProfile, GraphCosts]] = {}
 Budget = Union[int, float, str]
 
 
@@ -152,7 +153,7 @@ def plan_graph(graph: LayerGraph, inputs: Any, budget: Optional[int], *, mode: s
                api: str) -> ModelPlan:
     """The plan for ``graph`` (profiled on ``inputs``) and ``budget`` (None: least)."""
     mode = step_mode(mode)
-    profile, costs = _profile(graph, inputs, compiled=mode != "eager", api=api)
+    profile, costs = _cached_profile(graph, inputs, mode, api)
     region_model = _calibrated(costs, profile.plain_peak_bytes)
     least = solve(region_model, None)
     assert least is not None  # every call alone, checkpointed or not, is a plan
@@ -189,15 +190,15 @@ def step_mode(mode: str) -> str:
         return mode
     if not tf.inside_function():
         return "eager"
-    in_xla = control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
-    return "xla" if in_xla else "graph"
+    return "xla" if in_xla_context() else "graph"
 
 
 def _calibrated(costs: GraphCosts, plain_peak: int) -> RegionModel:
     """The model with per-call bytes scaled so that it predicts the measured
-    plain peak (within [0.5, 1.5]): per-call readings of small graphs do not add
-    up exactly to the whole step's, as the chain planner found."""
-    low, high = 0.5, 1.5
+    plain peak (within [0.5, 2]): per-call readings of small graphs do not add
+    up exactly to the whole step's, as the chain planner found, and an XLA
+    step's plain peak is XLA's own."""
+    low, high = 0.5, 2.0
     for _ in range(16):
         middle = (low + high) / 2
         if _scaled(costs, middle).peak(()) > plain_peak:
@@ -213,7 +214,21 @@ def _scaled(costs: GraphCosts, factor: float) -> RegionModel:
         bwd=costs.bwd * factor))
 
 
-def _profile(graph: LayerGraph, inputs: Any, *, compiled: bool,
+def _cached_profile(graph: LayerGraph, inputs: Any, mode: str,
+                    api: str) -> tuple[ChainProfile, GraphCosts]:
+    """The profile, measured once per model, input shapes and mode (the last
+    few are kept, with their models, so that their ids stay theirs)."""
+    shapes = tuple((tuple(leaf.shape), str(leaf.dtype)) for leaf in tf.nest.flatten(inputs)
+                   if hasattr(leaf, "shape"))
+    key = (id(graph.model), len(graph.calls), shapes, mode)
+    if key not in _profiles:
+        _profiles[key] = (graph.model, *_profile(graph, inputs, mode=mode, api=api))
+        while len(_profiles) > _CACHE_SIZE:
+            _profiles.pop(next(iter(_profiles)))
+    return _profiles[key][1], _profiles[key][2]
+
+
+def _profile(graph: LayerGraph, inputs: Any, *, mode: str,
              api: str) -> tuple[ChainProfile, GraphCosts]:
     """Profiles the graph as a chain of live-tensor states."""
     keys = tensor_keys(graph)
@@ -228,7 +243,8 @@ def _profile(graph: LayerGraph, inputs: Any, *, compiled: bool,
     calls = [functools.partial(_step, graph.calls[i], alive[i], alive[i + 1], sizes)
              for i in range(n)]
     profile = profile_chain(calls, start, names=[c.name for c in graph.calls], api=api,
-                            compiled=compiled, same_as=_repeats(graph))
+                            compiled=mode != "eager", same_as=_repeats(graph),
+                            xla=mode == "xla")
     readers = graph.consumers()
     layers = profile.layers
     costs = GraphCosts(
