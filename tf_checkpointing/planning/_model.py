@@ -31,7 +31,7 @@ from tf_checkpointing.planning._regions import GraphCosts, RegionModel, solve
 __all__ = ["ModelPlan", "plan_model"]
 
 _API = "plan_model"
-_HEADROOM = 0.05
+_HEADROOM = 0.10
 _MODES = ("auto", "eager", "graph", "xla")
 _CACHE_SIZE = 4
 _profiles: dict[Any, tuple[Any, ChainProfile, GraphCosts]] = {}
@@ -194,24 +194,20 @@ def step_mode(mode: str) -> str:
 
 
 def _calibrated(costs: GraphCosts, plain_peak: int) -> RegionModel:
-    """The model with per-call bytes scaled so that it predicts the measured
-    plain peak (within [0.5, 2]): per-call readings of small graphs do not add
-    up exactly to the whole step's, as the chain planner found, and an XLA
-    step's plain peak is XLA's own."""
-    low, high = 0.5, 2.0
-    for _ in range(16):
-        middle = (low + high) / 2
-        if _scaled(costs, middle).peak(()) > plain_peak:
-            high = middle
+    """The model with the plain calls' bytes scaled (within [0.3, 2]) so that
+    it predicts the measured plain peak: per-call readings of small graphs do
+    not add up to the whole step's, as the chain planner found, and an XLA
+    step's plain peak is XLA's own (see :class:`RegionModel`)."""
+    model = RegionModel(costs)
+    low, high = 0.3, 2.0
+    for _ in range(20):
+        model.rescale_plain((low + high) / 2)
+        if model.peak(()) > plain_peak:
+            high = model.plain_scale
         else:
-            low = middle
-    return _scaled(costs, (low + high) / 2)
-
-
-def _scaled(costs: GraphCosts, factor: float) -> RegionModel:
-    return RegionModel(dataclasses.replace(
-        costs, kept=costs.kept * factor, fwd=costs.fwd * factor, fwd0=costs.fwd0 * factor,
-        bwd=costs.bwd * factor))
+            low = model.plain_scale
+    model.rescale_plain((low + high) / 2)
+    return model
 
 
 def _cached_profile(graph: LayerGraph, inputs: Any, mode: str,
@@ -244,7 +240,7 @@ def _profile(graph: LayerGraph, inputs: Any, *, mode: str,
              for i in range(n)]
     profile = profile_chain(calls, start, names=[c.name for c in graph.calls], api=api,
                             compiled=mode != "eager", same_as=_repeats(graph),
-                            xla=mode == "xla")
+                            xla=mode == "xla", applied=mode != "eager")
     readers = graph.consumers()
     layers = profile.layers
     costs = GraphCosts(
@@ -252,7 +248,10 @@ def _profile(graph: LayerGraph, inputs: Any, *, mode: str,
         fwd=np.array([p.forward_peak_bytes for p in layers], float),
         fwd0=np.array([p.untaped_peak_bytes for p in layers], float),
         bwd=np.array([p.backward_peak_bytes for p in layers], float),
-        wgrad=np.array([p.weight_grad_bytes for p in layers], float),
+        # A compiled step applies each weight gradient when it is ready (see
+        # profile_chain); an eager one holds them all until the optimizer runs.
+        wgrad=np.array([0 if mode != "eager" else p.weight_grad_bytes for p in layers],
+                       float),
         cost=_costs(np.array([p.seconds for p in layers], float)),
         dx=np.array(profile.boundary_grad_bytes, float),
         size=np.array([sizes.get(k, (0, False))[0] for k in keys], float),

@@ -199,7 +199,8 @@ class _Allocator:
 
 def profile_chain(calls: Sequence[Callable[[Any], Any]], inputs: Any, *,
                   names: Sequence[str], api: str, compiled: bool = False,
-                  same_as: Optional[Sequence[int]] = None, xla: bool = False) -> ChainProfile:
+                  same_as: Optional[Sequence[int]] = None, xla: bool = False,
+                  applied: bool = False) -> ChainProfile:
     """Runs the chain ``calls`` on ``inputs`` and measures each layer.
 
     ``calls[i](x)`` runs layer ``i`` (with its keywords bound). Runs eagerly in
@@ -214,9 +215,14 @@ def profile_chain(calls: Sequence[Callable[[Any], Any]], inputs: Any, *,
     whole chain's, measured as one graph. ``same_as[i] = j < i`` says call
     ``i`` is the same computation as call ``j`` (same layer configuration on
     the same shapes: ResNet50 repeats its blocks): its graph is not traced and
-    measured again, it gets ``j``'s readings.
+    measured again, it gets ``j``'s readings. With ``applied``, the compiled
+    plain step consumes each weight gradient as soon as it is made, as an
+    optimizer inside the step does (``Model.fit``: the executor runs each
+    variable's update when its gradient is ready, and frees the gradient), so
+    the weight gradients are not all held at the end.
     """
-    return _in_fresh_thread(_profile, calls, inputs, names, api, compiled, same_as, xla)
+    return _in_fresh_thread(_profile, calls, inputs, names, api, compiled, same_as, xla,
+                            applied)
 
 
 def in_xla_context() -> bool:
@@ -225,7 +231,8 @@ def in_xla_context() -> bool:
     return tf.inside_function() and control_flow_util.GraphOrParentsInXlaContext(graph)
 
 
-def _profile(calls, inputs, names, api, compiled, same_as=None, xla=False) -> ChainProfile:
+def _profile(calls, inputs, names, api, compiled, same_as=None, xla=False,
+             applied=False) -> ChainProfile:
     x = _concrete_inputs(inputs, api)
     device = _memory_device(x, api)
     recorder = StateRecorder()
@@ -236,10 +243,10 @@ def _profile(calls, inputs, names, api, compiled, same_as=None, xla=False) -> Ch
             x = _concrete_inputs(inputs, api)
             if compiled:
                 profile = _graph_profile(calls, x, device, names,
-                                         same_as or list(range(len(calls))))
+                                         same_as or list(range(len(calls))), applied)
                 if xla:
                     profile = dataclasses.replace(profile, xla=True, plain_peak_bytes=(
-                        _graph_plain_peak(calls, x, device, jit_compile=True)))
+                        _graph_plain_peak(calls, x, device, True, applied)))
                 return profile
             untaped, seconds, sizes = _untaped_pass(calls, x, device)
             return _taped_pass(calls, x, device, names, untaped, seconds, sizes)
@@ -264,7 +271,7 @@ def _taped(call: Callable[[Any], Any], x: Any) -> tuple[tf.GradientTape, Any]:
     return tape, y
 
 
-def _graph_profile(calls, x, device, names, same_as) -> ChainProfile:
+def _graph_profile(calls, x, device, names, same_as, applied=False) -> ChainProfile:
     """The profile of a ``tf.function`` training step (see :func:`profile_chain`)."""
     graphs = [tf.function(call, autograph=False) if same_as[i] == i else call
               for i, call in enumerate(calls)]
@@ -272,7 +279,7 @@ def _graph_profile(calls, x, device, names, same_as) -> ChainProfile:
     for graph in graphs:  # trace them before any reading
         y = graph(y)
     untaped, seconds, sizes = _untaped_pass(graphs, x, device)
-    plain_peak = _graph_plain_peak(calls, x, device)
+    plain_peak = _graph_plain_peak(calls, x, device, False, applied)
     layers, grad_sizes, y_grad_bytes = [], [], 0
     for i, call in enumerate(calls):
         j = same_as[i]
@@ -348,12 +355,15 @@ def _graph_layer(call, x, device, name) -> tuple[LayerProfile, int, int]:
     return layer, _nbytes(x_grads), _nbytes(outputs)
 
 
-def _graph_plain_peak(calls, x, device, jit_compile: bool = False) -> int:
-    """Peak of the chain's plain forward and backward as one ``tf.function``."""
+def _graph_plain_peak(calls, x, device, jit_compile: bool = False,
+                      applied: bool = False) -> int:
+    """Peak of the chain's plain forward and backward as one ``tf.function``
+    (with ``applied``: each gradient consumed at once, as by an optimizer)."""
 
     def chain(x: Any) -> list[Any]:
         tape, y = _taped(lambda x: _run_all(calls, x), x)
-        return _backprop(tape, x, y)
+        grads = _backprop(tape, x, y)
+        return [tf.reduce_sum(g) for g in grads] if applied else grads
 
     step = tf.function(chain, autograph=False, jit_compile=jit_compile)
     _sync(step(x))  # trace and warm up
