@@ -173,7 +173,7 @@ def worker(name: str, tiny: bool, budgets: int) -> list[dict]:
     least = tc.plan_model(model, x, budget="min", mode="graph")
     plan_s = time.perf_counter() - started
     names = list(least.call_names)
-    spans = tuple((names.index(b[0]), names.index(b[-1]) + 1) for b in blocks)
+    spans = tuple((names.index(b[0]), names.index(b[-1]) + 1, ()) for b in blocks)
     hand = ModelPlan(least.call_names, spans, "graph", None, 0, 0, 0)
     tc.apply_checkpointing(model, plan=hand)
     measure("hand-written per-block", regions=len(spans))

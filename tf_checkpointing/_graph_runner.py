@@ -76,15 +76,20 @@ class GraphRunner:
             if self.plan is None:
                 self.plan = plan_graph(self.graph, inputs, self.budget,
                                        mode=step_mode(self.mode), api=_API)
-            at = 0
-            for a, c in self.plan.spans:
-                self._run(env, at, a, context)
-                self._run_checkpointed(env, a, c, context)
-                at = c
-            self._run(env, at, n, context)
+            self._run_spans(env, 0, n, self.plan.spans, context)
         outputs = [env[k] for k in self.graph.output_keys]
         return unpack_singleton(keras.tree.pack_sequence_as(
             functional._outputs_struct, outputs))  # noqa: SLF001
+
+    def _run_spans(self, env: dict[Key, Any], start: int, stop: int, spans: tuple,
+                   context: dict) -> None:
+        """Runs ``[start, stop)``, the ``(start, stop, inner)`` spans checkpointed."""
+        at = start
+        for a, c, inner in spans:
+            self._run(env, at, a, context)
+            self._run_checkpointed(env, a, c, inner, context)
+            at = c
+        self._run(env, at, stop, context)
 
     def _run(self, env: dict[Key, Any], start: int, stop: int, context: dict) -> None:
         for i in range(start, stop):
@@ -98,7 +103,7 @@ class GraphRunner:
             if self._last.get(key, -1) <= i and key in env:
                 del env[key]
 
-    def _run_checkpointed(self, env: dict[Key, Any], start: int, stop: int,
+    def _run_checkpointed(self, env: dict[Key, Any], start: int, stop: int, inner: tuple,
                           context: dict) -> None:
         calls = self.graph.calls[start:stop]
         made = {k for call in calls for k in call.out_keys}
@@ -114,8 +119,9 @@ class GraphRunner:
             for value, m in zip(values, masks):
                 if m is not None:
                     set_keras_mask(value, m)
-            for call in calls:
-                run_call(call, local, context)
+            # Nested regions are checkpointed in the replay (in the forward, which
+            # runs untaped, they simply run).
+            self._run_spans(local, start, stop, inner, context)
             out = [local[k] for k in leaving]
             return out, [get_keras_mask(v) for v in out]
 

@@ -26,7 +26,7 @@ from tf_checkpointing.planning._graph import (
     tensor_keys,
 )
 from tf_checkpointing.planning._profile import ChainProfile, in_xla_context, profile_chain
-from tf_checkpointing.planning._regions import GraphCosts, RegionModel, solve
+from tf_checkpointing.planning._regions import GraphCosts, RegionModel, nested_options, solve
 
 __all__ = ["ModelPlan", "plan_model"]
 
@@ -44,7 +44,9 @@ class ModelPlan:
 
     Attributes:
         call_names: the layer name of each call of the flattened graph, in run order.
-        spans: ``(start, stop)`` call ranges run as one checkpointed region each.
+        spans: ``(start, stop, inner)`` call ranges run as one checkpointed
+            region each; ``inner`` are regions checkpointed inside its replay
+            (the same triples; empty when the replay runs its calls plainly).
         mode: the step it was planned for: ``"eager"``, ``"graph"`` or ``"xla"``.
         budget_bytes: the budget (None for ``"min"``).
         predicted_peak_bytes: the step's peak above what is allocated before it,
@@ -54,7 +56,7 @@ class ModelPlan:
     """
 
     call_names: tuple[str, ...]
-    spans: tuple[tuple[int, int], ...]
+    spans: tuple
     mode: str
     budget_bytes: Optional[int]
     predicted_peak_bytes: int
@@ -64,12 +66,25 @@ class ModelPlan:
     @property
     def regions(self) -> list[list[str]]:
         """Each checkpointed region as the names of its layers, in run order."""
-        return [list(self.call_names[a:c]) for a, c in self.spans]
+        return [self._names(a, c, inner) for a, c, inner in self.spans]
+
+    def _names(self, start: int, stop: int, inner: tuple) -> list:
+        """Names of ``[start, stop)``, inner regions as nested lists."""
+        out: list = []
+        at = start
+        for a, c, deeper in inner:
+            out.extend(self.call_names[at:a])
+            out.append(self._names(a, c, deeper))
+            at = c
+        return out + list(self.call_names[at:stop])
 
     @property
     def extra_forward_layers(self) -> int:
         """Layer calls recomputed per training step."""
-        return sum(c - a for a, c in self.spans)
+        def count(spans: tuple) -> int:
+            return sum(c - a + count(inner) for a, c, inner in spans)
+
+        return count(self.spans)
 
     def __str__(self) -> str:
         mib = lambda n: f"{n / 2**20:.2f} MiB"  # noqa: E731
@@ -79,10 +94,16 @@ class ModelPlan:
                  f"{mib(self.plain_peak_bytes)}, minimum {mib(self.min_budget_bytes)}); "
                  f"{len(self.spans)} checkpointed regions, {self.extra_forward_layers} "
                  "extra layer forwards"]
-        for names in self.regions:
-            shown = names if len(names) <= 4 else names[:2] + ["..."] + names[-1:]
-            lines.append(f"  [{', '.join(shown)}] ({len(names)} layers)")
+        self._describe(self.spans, "  ", lines)
         return "\n".join(lines)
+
+    def _describe(self, spans: tuple, indent: str, lines: list) -> None:
+        for a, c, inner in spans:
+            names = list(self.call_names[a:c])
+            shown = names if len(names) <= 4 else names[:2] + ["..."] + names[-1:]
+            lines.append(f"{indent}[{', '.join(shown)}] ({len(names)} layers"
+                         f"{', with checkpoints inside:' if inner else ''})")
+            self._describe(inner, indent + "  ", lines)
 
 
 def plan_model(model: Any, inputs: Any, *, budget: Budget, mode: str = "auto") -> ModelPlan:
@@ -155,7 +176,8 @@ def plan_graph(graph: LayerGraph, inputs: Any, budget: Optional[int], *, mode: s
     mode = step_mode(mode)
     profile, costs = _cached_profile(graph, inputs, mode, api)
     region_model = _calibrated(costs, profile.plain_peak_bytes)
-    least = solve(region_model, None)
+    nested = nested_options(region_model)
+    least = solve(region_model, None, nested=nested)
     assert least is not None  # every call alone, checkpointed or not, is a plan
     min_peak = int(math.ceil(least[0] / (1 - _HEADROOM)))
     plain_peak = profile.plain_peak_bytes
@@ -177,7 +199,7 @@ def plan_graph(graph: LayerGraph, inputs: Any, budget: Optional[int], *, mode: s
             "smaller batch."
         )
     else:
-        found = solve(region_model, budget * (1 - _HEADROOM))
+        found = solve(region_model, budget * (1 - _HEADROOM), nested=nested)
         spans = found[1] if found is not None else least[1]
     return dataclasses.replace(plan, spans=spans,
                                predicted_peak_bytes=int(region_model.peak(spans)))
