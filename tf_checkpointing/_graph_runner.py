@@ -12,9 +12,11 @@ dropout seeds and BatchNorm updates happen exactly as there, and the replay
 machinery replays them. The layers, their weights and the saved model do not
 change; only this instance runs differently.
 
-With a budget, the plan is made on the first call that can take a gradient,
-from that batch, in the mode that call runs (eager, or a graph when it is
-traced, or XLA when the caller says so), as ``CheckpointedSequential`` does.
+With a budget, the plan is made on the first call that can take a gradient
+and is not an inference call (``training=False``: ``evaluate``, ``predict``,
+which run plainly until then), from that batch, in the mode that call runs
+(eager, a graph while it is traced, XLA while a ``jit_compile=True`` function
+is), as ``CheckpointedSequential`` does.
 """
 
 from __future__ import annotations
@@ -70,7 +72,9 @@ class GraphRunner:
         env = dict(zip(self.graph.input_keys, flat))
         context = dict(kwargs, training=training)
         n = len(self.graph.calls)
-        if not needs_checkpoint():  # nothing can take a gradient: run it plainly
+        # Nothing can take a gradient, or an inference call (evaluate, predict:
+        # training=False): run it plainly, and plan only for training steps.
+        if not needs_checkpoint() or (training is False and self.plan is None):
             self._run(env, 0, n, context)
         else:
             if self.plan is None:

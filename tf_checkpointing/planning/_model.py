@@ -25,7 +25,12 @@ from tf_checkpointing.planning._graph import (
     run_call,
     tensor_keys,
 )
-from tf_checkpointing.planning._profile import ChainProfile, in_xla_context, profile_chain
+from tf_checkpointing.planning._profile import (
+    ChainProfile,
+    in_fresh_thread,
+    in_xla_context,
+    profile_chain,
+)
 from tf_checkpointing.planning._regions import GraphCosts, RegionModel, nested_options, solve
 
 __all__ = ["ModelPlan", "plan_model"]
@@ -260,9 +265,17 @@ def _profile(graph: LayerGraph, inputs: Any, *, mode: str,
     sizes: dict[Any, tuple[int, bool]] = {}
     calls = [functools.partial(_step, graph.calls[i], alive[i], alive[i + 1], sizes)
              for i in range(n)]
-    profile = profile_chain(calls, start, names=[c.name for c in graph.calls], api=api,
-                            compiled=mode != "eager", same_as=_repeats(graph),
-                            xla=mode == "xla", applied=mode != "eager")
+    # The profile puts back the state it changes; under a distribution strategy
+    # (mirrored seed and BatchNorm variables) its recorder misses some, so the
+    # model's non-trainable variables are also saved and put back here.
+    state = [v for v in graph.model.non_trainable_variables]
+    saved = in_fresh_thread(lambda: [v.numpy() for v in state])
+    try:
+        profile = profile_chain(calls, start, names=[c.name for c in graph.calls], api=api,
+                                compiled=mode != "eager", same_as=_repeats(graph),
+                                xla=mode == "xla", applied=mode != "eager")
+    finally:
+        in_fresh_thread(lambda: [v.assign(value) for v, value in zip(state, saved)])
     readers = graph.consumers()
     layers = profile.layers
     costs = GraphCosts(

@@ -379,6 +379,11 @@ def _run_all(calls, x):
     return x
 
 
+def in_fresh_thread(fn: Callable[..., Any], *args: Any) -> Any:
+    """Runs ``fn(*args)`` eagerly in a thread of its own (see :func:`_in_fresh_thread`)."""
+    return _in_fresh_thread(fn, *args)
+
+
 def _in_fresh_thread(fn: Callable[..., Any], *args: Any) -> Any:
     """Runs ``fn`` eagerly, with no gradient tape of the caller recording it.
 
