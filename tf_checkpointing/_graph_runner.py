@@ -35,7 +35,8 @@ from tf_checkpointing.planning._graph import (
     read_graph,
     run_call,
 )
-from tf_checkpointing.planning._model import ModelPlan, plan_graph, step_mode
+from tf_checkpointing.planning._model import plan_graph, step_mode
+from tf_checkpointing.planning._plan import ModelPlan
 
 __all__: list[str] = []
 

@@ -21,7 +21,8 @@ import keras
 
 from tf_checkpointing._graph_runner import install
 from tf_checkpointing.planning._graph import functional_of, read_graph
-from tf_checkpointing.planning._model import ModelPlan, expect_model_budget
+from tf_checkpointing.planning._model import expect_model_budget
+from tf_checkpointing.planning._plan import ModelPlan
 
 __all__: list[str] = []
 

@@ -8,7 +8,7 @@ checkpointed regions of it.
 """
 
 from tf_checkpointing.planning._chain import plan_sequential
-from tf_checkpointing.planning._model import ModelPlan, plan_model
-from tf_checkpointing.planning._plan import Segment, SequentialPlan
+from tf_checkpointing.planning._model import plan_model
+from tf_checkpointing.planning._plan import ModelPlan, Segment, SequentialPlan
 
 __all__ = ["ModelPlan", "Segment", "SequentialPlan", "plan_model", "plan_sequential"]

@@ -3,8 +3,8 @@
 The model's layer graph (:mod:`._graph`) is profiled as a chain of states,
 state ``i`` being every tensor alive before call ``i`` (so the allocator
 measures each call exactly as the chain profile measures a layer), and the
-regions are chosen by the program of :mod:`._regions`. This module holds the
-plan type and the glue.
+regions are chosen by the program of :mod:`._regions`. This module is the
+glue; the plan type is :class:`~tf_checkpointing.planning._plan.ModelPlan`.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from tf_checkpointing.planning._graph import (
     run_call,
     tensor_keys,
 )
+from tf_checkpointing.planning._plan import ModelPlan
 from tf_checkpointing.planning._profile import (
     ChainProfile,
     in_fresh_thread,
@@ -41,74 +42,6 @@ _MODES = ("auto", "eager", "graph", "xla")
 _CACHE_SIZE = 4
 _profiles: dict[Any, tuple[Any, ChainProfile, GraphCosts]] = {}
 Budget = Union[int, float, str]
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelPlan:
-    """Which runs of a model's layer calls are checkpointed.
-
-    Attributes:
-        call_names: the layer name of each call of the flattened graph, in run order.
-        spans: ``(start, stop, inner)`` call ranges run as one checkpointed
-            region each; ``inner`` are regions checkpointed inside its replay
-            (the same triples; empty when the replay runs its calls plainly).
-        mode: the step it was planned for: ``"eager"``, ``"graph"`` or ``"xla"``.
-        budget_bytes: the budget (None for ``"min"``).
-        predicted_peak_bytes: the step's peak above what is allocated before it,
-            as the model predicts it.
-        plain_peak_bytes: measured peak of the plain step.
-        min_budget_bytes: the least peak of any plan (the model's prediction).
-    """
-
-    call_names: tuple[str, ...]
-    spans: tuple
-    mode: str
-    budget_bytes: Optional[int]
-    predicted_peak_bytes: int
-    plain_peak_bytes: int
-    min_budget_bytes: int
-
-    @property
-    def regions(self) -> list[list[str]]:
-        """Each checkpointed region as the names of its layers, in run order."""
-        return [self._names(a, c, inner) for a, c, inner in self.spans]
-
-    def _names(self, start: int, stop: int, inner: tuple) -> list:
-        """Names of ``[start, stop)``, inner regions as nested lists."""
-        out: list = []
-        at = start
-        for a, c, deeper in inner:
-            out.extend(self.call_names[at:a])
-            out.append(self._names(a, c, deeper))
-            at = c
-        return out + list(self.call_names[at:stop])
-
-    @property
-    def extra_forward_layers(self) -> int:
-        """Layer calls recomputed per training step."""
-        def count(spans: tuple) -> int:
-            return sum(c - a + count(inner) for a, c, inner in spans)
-
-        return count(self.spans)
-
-    def __str__(self) -> str:
-        mib = lambda n: f"{n / 2**20:.2f} MiB"  # noqa: E731
-        budget = "min" if self.budget_bytes is None else mib(self.budget_bytes)
-        lines = [f"ModelPlan ({self.mode}): {len(self.call_names)} layer calls, budget "
-                 f"{budget} -> predicted peak {mib(self.predicted_peak_bytes)} (plain "
-                 f"{mib(self.plain_peak_bytes)}, minimum {mib(self.min_budget_bytes)}); "
-                 f"{len(self.spans)} checkpointed regions, {self.extra_forward_layers} "
-                 "extra layer forwards"]
-        self._describe(self.spans, "  ", lines)
-        return "\n".join(lines)
-
-    def _describe(self, spans: tuple, indent: str, lines: list) -> None:
-        for a, c, inner in spans:
-            names = list(self.call_names[a:c])
-            shown = names if len(names) <= 4 else names[:2] + ["..."] + names[-1:]
-            lines.append(f"{indent}[{', '.join(shown)}] ({len(names)} layers"
-                         f"{', with checkpoints inside:' if inner else ''})")
-            self._describe(inner, indent + "  ", lines)
 
 
 def plan_model(model: Any, inputs: Any, *, budget: Budget, mode: str = "auto") -> ModelPlan:
