@@ -32,7 +32,8 @@ least peak of any plan (``budget="min"``).
 
 Checkpoints nest one level, as in rotor (Beaumont et al. 2019): a region's
 replay may itself checkpoint sub-regions, which lowers what the replay holds
-(ResNet50's least predicted peak: 167 MiB flat, 140 MiB nested). For each
+(every call of a replay, its sub-regions' plain calls included, keeps what its
+per-call profile measured). For each
 region of up to 24 calls, the same program run from its start gives the least
 peak of its replay with sub-regions (one run per start gives every end), and
 the outer program may take the region flat or nested (paying the sub-regions'
@@ -45,6 +46,7 @@ are scaled to the measured plain step, as the chain planner does.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Optional
 
@@ -142,6 +144,13 @@ class RegionModel:
         self.plain_need = np.maximum(scale * costs.fwd, scale * (costs.kept + costs.bwd)
                                      + costs.dx[k + 1] + self._w_suffix[k + 1])
 
+    def in_replay(self) -> RegionModel:
+        """The model of calls run inside a replay: every call keeps what its
+        per-call profile measured (no plain-step scale)."""
+        view = copy.copy(self)
+        view.rescale_plain(1.0)
+        return view
+
     def need(self, a: int, c: int, checkpointed: bool) -> float:
         """Peak of running ``[a, c)`` (forward and backward) above what is held before."""
         if checkpointed:
@@ -163,7 +172,8 @@ class RegionModel:
                                                 spans):
             need = self.need(a, c, checkpointed)
             if inner:
-                need = max(self.fwd_ckpt[a, c], self.peak(inner, a, c) + self.enter[a, c])
+                replay = self.in_replay().peak(inner, a, c)
+                need = max(self.fwd_ckpt[a, c], replay + self.enter[a, c])
             peak = max(peak, held + need)
             held += self.held(a, c, checkpointed)
         return peak
@@ -272,11 +282,12 @@ def nested_options(model: RegionModel, max_len: int = 24, units: int = 40) -> di
     its replay when the replay checkpoints regions of its own (one level), as
     ``(need, extra work, inner spans)``; only where that is below the flat need."""
     options: dict = {}
+    replay = model.in_replay()  # the sub-regions' plain calls run inside the replay
     unit = max(float(np.nanmax(np.where(np.isfinite(model.bwd_region), model.bwd_region, 0))),
                1.0) / units
     for a in range(model.n):
         stop = min(model.n, a + max_len)
-        tables = _tables(model, None, a, stop, None, None, units, unit)
+        tables = _tables(replay, None, a, stop, None, None, units, unit)
         for c in range(a + 3, stop + 1):
             flat = model.need(a, c, True)
             inner = _best(tables, None, a, c, None)
