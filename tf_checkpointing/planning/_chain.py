@@ -128,7 +128,8 @@ def plan_sequential(layers: Any, inputs: Any, *, budget: float, mode: str = "aut
         raise ValueError(
             f"{_API}: argument `mode` must be one of {', '.join(map(repr, _MODES))}; "
             f"received mode={mode!r}. Pass mode='graph' when the training step is a "
-            "tf.function (or Model.fit), mode='eager' when it runs eagerly."
+            "tf.function (or Model.fit), mode='xla' when it is compiled with "
+            "jit_compile=True, mode='eager' when it runs eagerly."
         )
     return cached_plan(layers, inputs, budget, kwargs, route_keywords(layers, kwargs, _API),
                        api=_API, mode=mode)
