@@ -33,5 +33,7 @@ def _forget_planned_chains():
     memory measurements."""
     yield
     from tf_checkpointing.planning import _chain as _planner
+    from tf_checkpointing.planning import _model as _model_planner
 
     _planner._profiles.clear()
+    _model_planner._profiles.clear()

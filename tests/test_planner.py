@@ -216,8 +216,9 @@ def test_auto_mode_plans_for_how_the_step_runs(in_function):
 
 def test_unknown_mode_is_an_error_naming_the_choices():
     with pytest.raises(ValueError, match=r"argument `mode` must be one of 'auto', 'eager', "
-                                         r"'graph'; received mode='xla'\. Pass mode='graph'"):
-        plan_sequential(_layers(2, width=4), tf.ones([2, 4]), budget=2**20, mode="xla")
+                                         r"'graph', 'xla'; received mode='jit'\. Pass "
+                                         r"mode='graph'"):
+        plan_sequential(_layers(2, width=4), tf.ones([2, 4]), budget=2**20, mode="jit")
 
 
 def test_recomputation_follows_the_plan_and_stops_at_a_large_budget():

@@ -18,12 +18,19 @@ from tf_checkpointing._residuals import Residual, print_saved_residuals, saved_r
 from tf_checkpointing._saving import checkpoint_name
 from tf_checkpointing._sequential import CheckpointedSequential, checkpoint_sequential
 from tf_checkpointing._version import __version__ as __version__
-from tf_checkpointing.planning import Segment, SequentialPlan, plan_sequential
+from tf_checkpointing.planning import (
+    ModelPlan,
+    Segment,
+    SequentialPlan,
+    plan_model,
+    plan_sequential,
+)
 
 __all__ = [
     "ChainedOutputWarning",
     "CheckpointedSequential",
     "MemoryStats",
+    "ModelPlan",
     "RematScope",
     "ReplayMismatchError",
     "Residual",
@@ -37,6 +44,7 @@ __all__ = [
     "is_recomputing",
     "measure",
     "peak_memory",
+    "plan_model",
     "plan_sequential",
     "policies",
     "print_saved_residuals",

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Iterable, Sequence
-from typing import Any, Callable, Union
+from typing import Any, Callable, Optional, Union
 
 import keras
 
 from tf_checkpointing._decorator import CheckpointedLayer, checkpointable
+from tf_checkpointing._whole_model import checkpoint_whole_model, warn_if_costly
 
 __all__: list[str] = []
 
@@ -38,13 +39,25 @@ _ORIGINAL_CALL = "_self_tf_checkpointing_original_call"
 
 def apply_checkpointing(
     model: keras.layers.Layer,
-    select: Selector,
+    select: Optional[Selector] = None,
     *,
+    budget: Optional[Union[int, float, str]] = None,
+    plan: Any = None,
     force_seed: bool = False,
     check: Union[bool, str] = False,
     policy: Any = None,
 ) -> list[keras.layers.Layer]:
     """Checkpoints the chosen layers of an existing model, in place.
+
+    Pass exactly one of ``select``, ``budget`` and ``plan``. With ``budget``
+    (bytes, or ``"min"`` for the least memory) the library picks the regions
+    itself: the model's layer graph (functional or ``keras.Sequential``) is
+    planned on its first training call, from that batch, in the mode that
+    call runs (eager, ``tf.function``, XLA), and regions of consecutive layer
+    calls run as one checkpoint each (see :func:`plan_model`); ``plan`` applies
+    a plan made ahead with :func:`plan_model`. Per-layer ``select`` saves
+    little on a DAG of small layers (each checkpointed layer keeps its inputs);
+    a selection that predictably costs memory gets a warning.
 
     Each chosen layer keeps only its inputs during the forward pass and is
     replayed during backprop (see :func:`checkpointable`). Layers are searched
@@ -64,11 +77,14 @@ def apply_checkpointing(
     Args:
         model: a Keras model or layer (functional, Sequential or subclassed),
             usually already built.
-        select: which sublayers to checkpoint: a predicate
+        select: which sublayers to checkpoint (per-layer): a predicate
             ``fn(layer) -> bool``, a list of layer names (every layer with that
             name, at any depth), or a list of layer classes (``isinstance``); a
             list may mix names and classes, and a single name or class is
             accepted too.
+        budget: bytes a training step may allocate above what is allocated
+            before it, or ``"min"``: plan whole-model regions for it.
+        plan: a :class:`ModelPlan` from :func:`plan_model` to apply.
         force_seed: passed to :func:`checkpointable` (replay legacy
             ``tf.random`` ops exactly; Keras random layers need nothing).
         check: passed to :func:`checkpointable` (verify each replay).
@@ -76,7 +92,8 @@ def apply_checkpointing(
             (:mod:`tf_checkpointing.policies`) for the chosen layers.
 
     Returns:
-        The layers now checkpointed, in model order.
+        The layers now checkpointed, in model order (with ``budget`` or
+        ``plan``: ``[model]``, whose ``call`` now runs the regions).
 
     Raises:
         ValueError: a name matches no layer, or the selection chooses nothing.
@@ -99,6 +116,27 @@ def apply_checkpointing(
             f"received {model!r} of type {type(model).__name__}. Pass the model "
             "object, e.g. apply_checkpointing(model, ['block_1'])."
         )
+    given = [name for name, value in (("select", select), ("budget", budget), ("plan", plan))
+             if value is not None]
+    if len(given) != 1:
+        raise TypeError(
+            "apply_checkpointing: pass exactly one of `select`, `budget` and `plan`; "
+            f"received {', '.join(given) or 'none of them'}. Pass e.g. "
+            "apply_checkpointing(model, budget='min') to let the library choose, or "
+            "apply_checkpointing(model, ['block_1']) to choose layers."
+        )
+    if select is None:
+        if policy is not None:
+            raise TypeError(
+                "apply_checkpointing: argument `policy` cannot be combined with `budget` or "
+                f"`plan` yet (the region planner models full replays only); received "
+                f"policy={policy!r} with {given[0]}. Pass either budget=... (regions chosen "
+                "for you) or select=[...] with policy=... (a save policy per chosen layer)."
+            )
+        checkpoint_whole_model(model, budget=budget, plan=plan, force_seed=force_seed,
+                               check=check)
+        _forget_traced_steps(model)
+        return [model]
     candidates = model._flatten_layers(include_self=False, recursive=True)  # noqa: SLF001
     if not candidates:
         raise ValueError(
@@ -115,6 +153,7 @@ def apply_checkpointing(
             f"received select={select!r}. Its layers are: {_names(candidates)}. Pass a "
             "predicate that returns True for some of them, or their names or classes."
         )
+    warn_if_costly(model, chosen)
     for layer in chosen:
         _checkpoint_layer(layer, force_seed=force_seed, check=check, policy=policy)
     _forget_traced_steps(model)

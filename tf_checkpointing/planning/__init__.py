@@ -2,11 +2,15 @@
 
 Each concern is one module: :mod:`._profile` measures what each layer keeps
 and costs, :mod:`._plan` holds the plan types, :mod:`._chain` solves for the
-schedule of a chain of layers within a memory budget.
+schedule of a chain of layers within a memory budget; :mod:`._graph` reads a
+functional model's layer graph and :mod:`._regions` / :mod:`._model` plan
+checkpointed regions of it.
 """
 
 from tf_checkpointing.planning._chain import plan_sequential
-from tf_checkpointing.planning._plan import Segment, SequentialPlan
+from tf_checkpointing.planning._model import plan_model
+from tf_checkpointing.planning._plan import ModelPlan, Segment, SequentialPlan
 from tf_checkpointing.planning._policies import PolicyPlan, plan_policies
 
-__all__ = ["PolicyPlan", "Segment", "SequentialPlan", "plan_policies", "plan_sequential"]
+__all__ = ["ModelPlan", "PolicyPlan", "Segment", "SequentialPlan", "plan_model", "plan_policies",
+           "plan_sequential"]

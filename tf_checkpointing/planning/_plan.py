@@ -4,7 +4,9 @@ A :class:`SequentialPlan` is a contiguous cover of a chain by :class:`Segment`
 pieces; a checkpointed piece keeps only its input and is replayed in backprop,
 possibly with checkpoints of its own inside (``inner``). :func:`even_plan`
 makes the fixed ``segments=k`` schedule; :mod:`tf_checkpointing.planning._chain`
-solves for one within a memory budget.
+solves for one within a memory budget. A :class:`ModelPlan` is the whole-model
+counterpart: which runs of a functional model's layer calls are checkpointed
+(:mod:`tf_checkpointing.planning._model`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Optional
 
 from tf_checkpointing.planning._profile import ChainProfile
 
-__all__ = ["SequentialPlan", "Segment"]
+__all__ = ["ModelPlan", "SequentialPlan", "Segment"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,3 +131,71 @@ def even_plan(num_layers: int, segments: int) -> SequentialPlan:
     pieces = tuple(Segment(bounds[i], bounds[i + 1], i < segments - 1)
                    for i in range(segments))
     return SequentialPlan(num_layers=num_layers, pieces=pieces)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelPlan:
+    """Which runs of a model's layer calls are checkpointed.
+
+    Attributes:
+        call_names: the layer name of each call of the flattened graph, in run order.
+        spans: ``(start, stop, inner)`` call ranges run as one checkpointed
+            region each; ``inner`` are regions checkpointed inside its replay
+            (the same triples; empty when the replay runs its calls plainly).
+        mode: the step it was planned for: ``"eager"``, ``"graph"`` or ``"xla"``.
+        budget_bytes: the budget (None for ``"min"``).
+        predicted_peak_bytes: the step's peak above what is allocated before it,
+            as the model predicts it.
+        plain_peak_bytes: measured peak of the plain step.
+        min_budget_bytes: the least peak of any plan (the model's prediction).
+    """
+
+    call_names: tuple[str, ...]
+    spans: tuple
+    mode: str
+    budget_bytes: Optional[int]
+    predicted_peak_bytes: int
+    plain_peak_bytes: int
+    min_budget_bytes: int
+
+    @property
+    def regions(self) -> list[list[str]]:
+        """Each checkpointed region as the names of its layers, in run order."""
+        return [self._names(a, c, inner) for a, c, inner in self.spans]
+
+    def _names(self, start: int, stop: int, inner: tuple) -> list:
+        """Names of ``[start, stop)``, inner regions as nested lists."""
+        out: list = []
+        at = start
+        for a, c, deeper in inner:
+            out.extend(self.call_names[at:a])
+            out.append(self._names(a, c, deeper))
+            at = c
+        return out + list(self.call_names[at:stop])
+
+    @property
+    def extra_forward_layers(self) -> int:
+        """Layer calls recomputed per training step."""
+        def count(spans: tuple) -> int:
+            return sum(c - a + count(inner) for a, c, inner in spans)
+
+        return count(self.spans)
+
+    def __str__(self) -> str:
+        mib = lambda n: f"{n / 2**20:.2f} MiB"  # noqa: E731
+        budget = "min" if self.budget_bytes is None else mib(self.budget_bytes)
+        lines = [f"ModelPlan ({self.mode}): {len(self.call_names)} layer calls, budget "
+                 f"{budget} -> predicted peak {mib(self.predicted_peak_bytes)} (plain "
+                 f"{mib(self.plain_peak_bytes)}, minimum {mib(self.min_budget_bytes)}); "
+                 f"{len(self.spans)} checkpointed regions, {self.extra_forward_layers} "
+                 "extra layer forwards"]
+        self._describe(self.spans, "  ", lines)
+        return "\n".join(lines)
+
+    def _describe(self, spans: tuple, indent: str, lines: list) -> None:
+        for a, c, inner in spans:
+            names = list(self.call_names[a:c])
+            shown = names if len(names) <= 4 else names[:2] + ["..."] + names[-1:]
+            lines.append(f"{indent}[{', '.join(shown)}] ({len(names)} layers"
+                         f"{', with checkpoints inside:' if inner else ''})")
+            self._describe(inner, indent + "  ", lines)

@@ -34,9 +34,11 @@ from typing import Any, Callable, Optional
 
 import keras
 import tensorflow as tf
+from tensorflow.python.ops import control_flow_util
 
 from tf_checkpointing._recompute import is_differentiable
 from tf_checkpointing._state import StateRecorder
+from tf_checkpointing.planning._graph import chain_break
 
 __all__: list[str] = []
 
@@ -63,6 +65,15 @@ def validate_layers(layers: Any, api: str) -> list[Any]:
             f"{api}: argument `layers` must contain at least one layer; received an "
             "empty list. Pass the chain to run, e.g. [keras.layers.Dense(64) for _ in "
             "range(8)]."
+        )
+    reason = chain_break(layers)
+    if reason is not None:
+        raise ValueError(
+            f"{api}: argument `layers` must form a chain (each layer fed the previous "
+            f"one's output), but these layers come from a model graph that is not a "
+            f"chain: {reason}. Checkpoint the whole model instead, with regions chosen "
+            "for a memory budget: apply_checkpointing(model, budget=...) (bytes, or "
+            "'min'), or plan_model(model, inputs, budget=...) to see the plan first."
         )
     for i, layer in enumerate(layers):
         if not callable(layer) or isinstance(layer, type):
@@ -153,6 +164,10 @@ class ChainProfile:
         device: the device whose allocator was read.
         compiled: measured for a training step that is a ``tf.function``: each
             layer's forward and backward profiled as one graph.
+        xla: measured for a ``jit_compile=True`` step: ``plain_peak_bytes`` is
+            the XLA-compiled plain step's (XLA assigns buffers its own way: on
+            ResNet50 its plain step peaks 1.1-1.2x the graph's, and the per-layer
+            graphs, read with a ``py_function`` XLA cannot compile, are scaled to it).
     """
 
     layers: tuple[LayerProfile, ...]
@@ -161,6 +176,7 @@ class ChainProfile:
     plain_peak_bytes: int
     device: str
     compiled: bool = False
+    xla: bool = False
 
 
 class _Allocator:
@@ -182,7 +198,9 @@ class _Allocator:
 
 
 def profile_chain(calls: Sequence[Callable[[Any], Any]], inputs: Any, *,
-                  names: Sequence[str], api: str, compiled: bool = False) -> ChainProfile:
+                  names: Sequence[str], api: str, compiled: bool = False,
+                  same_as: Optional[Sequence[int]] = None, xla: bool = False,
+                  applied: bool = False) -> ChainProfile:
     """Runs the chain ``calls`` on ``inputs`` and measures each layer.
 
     ``calls[i](x)`` runs layer ``i`` (with its keywords bound). Runs eagerly in
@@ -194,12 +212,27 @@ def profile_chain(calls: Sequence[Callable[[Any], Any]], inputs: Any, *,
     ``tf.function``: each layer's forward and backward run as one graph, read
     between the two (a graph keeps only the intermediates its backward reads,
     and frees them as the backward goes), and ``plain_peak_bytes`` is the
-    whole chain's, measured as one graph.
+    whole chain's, measured as one graph. ``same_as[i] = j < i`` says call
+    ``i`` is the same computation as call ``j`` (same layer configuration on
+    the same shapes: ResNet50 repeats its blocks): its graph is not traced and
+    measured again, it gets ``j``'s readings. With ``applied``, the compiled
+    plain step consumes each weight gradient as soon as it is made, as an
+    optimizer inside the step does (``Model.fit``: the executor runs each
+    variable's update when its gradient is ready, and frees the gradient), so
+    the weight gradients are not all held at the end.
     """
-    return _in_fresh_thread(_profile, calls, inputs, names, api, compiled)
+    return _in_fresh_thread(_profile, calls, inputs, names, api, compiled, same_as, xla,
+                            applied)
 
 
-def _profile(calls, inputs, names, api, compiled) -> ChainProfile:
+def in_xla_context() -> bool:
+    """Whether a ``jit_compile=True`` function is being traced here."""
+    graph = tf.compat.v1.get_default_graph()
+    return tf.inside_function() and control_flow_util.GraphOrParentsInXlaContext(graph)
+
+
+def _profile(calls, inputs, names, api, compiled, same_as=None, xla=False,
+             applied=False) -> ChainProfile:
     x = _concrete_inputs(inputs, api)
     device = _memory_device(x, api)
     recorder = StateRecorder()
@@ -209,7 +242,12 @@ def _profile(calls, inputs, names, api, compiled) -> ChainProfile:
                 x = call(x)
             x = _concrete_inputs(inputs, api)
             if compiled:
-                return _graph_profile(calls, x, device, names)
+                profile = _graph_profile(calls, x, device, names,
+                                         same_as or list(range(len(calls))), applied)
+                if xla:
+                    profile = dataclasses.replace(profile, xla=True, plain_peak_bytes=(
+                        _graph_plain_peak(calls, x, device, True, applied)))
+                return profile
             untaped, seconds, sizes = _untaped_pass(calls, x, device)
             return _taped_pass(calls, x, device, names, untaped, seconds, sizes)
         finally:
@@ -233,16 +271,28 @@ def _taped(call: Callable[[Any], Any], x: Any) -> tuple[tf.GradientTape, Any]:
     return tape, y
 
 
-def _graph_profile(calls, x, device, names) -> ChainProfile:
+def _graph_profile(calls, x, device, names, same_as, applied=False) -> ChainProfile:
     """The profile of a ``tf.function`` training step (see :func:`profile_chain`)."""
-    graphs = [tf.function(call, autograph=False) for call in calls]
+    graphs = [tf.function(call, autograph=False) if same_as[i] == i else call
+              for i, call in enumerate(calls)]
     y = x
     for graph in graphs:  # trace them before any reading
         y = graph(y)
     untaped, seconds, sizes = _untaped_pass(graphs, x, device)
-    plain_peak = _graph_plain_peak(calls, x, device)
-    layers, grad_sizes, y_grad_bytes = [], [], 0
+    plain_peak = _graph_plain_peak(calls, x, device, False, applied)
+    layers: list[Any] = []
+    grad_sizes: list[Any] = []
+    y_grad_bytes = 0
     for i, call in enumerate(calls):
+        j = same_as[i]
+        if j != i:  # the same computation as an earlier call: its readings
+            layers.append(dataclasses.replace(layers[j], name=names[i]))
+            y = call(x)
+            x_grad_bytes = _nbytes([t for t in tf.nest.flatten(x) if is_differentiable(t)])
+            y_grad_bytes = _nbytes([t for t in tf.nest.flatten(y) if is_differentiable(t)])
+            grad_sizes.append(x_grad_bytes)
+            x = y
+            continue
         layer, x_grad_bytes, y_grad_bytes = _graph_layer(call, x, device, names[i])
         layers.append(dataclasses.replace(layer, untaped_peak_bytes=untaped[i],
                                           seconds=seconds[i]))
@@ -307,14 +357,17 @@ def _graph_layer(call, x, device, name) -> tuple[LayerProfile, int, int]:
     return layer, _nbytes(x_grads), _nbytes(outputs)
 
 
-def _graph_plain_peak(calls, x, device) -> int:
-    """Peak of the chain's plain forward and backward as one ``tf.function``."""
+def _graph_plain_peak(calls, x, device, jit_compile: bool = False,
+                      applied: bool = False) -> int:
+    """Peak of the chain's plain forward and backward as one ``tf.function``
+    (with ``applied``: each gradient consumed at once, as by an optimizer)."""
 
     def chain(x: Any) -> list[Any]:
         tape, y = _taped(lambda x: _run_all(calls, x), x)
-        return _backprop(tape, x, y)
+        grads = _backprop(tape, x, y)
+        return [tf.reduce_sum(g) for g in grads] if applied else grads
 
-    step = tf.function(chain, autograph=False)
+    step = tf.function(chain, autograph=False, jit_compile=jit_compile)
     _sync(step(x))  # trace and warm up
     allocator = _Allocator(device)
     start = allocator.mark()
@@ -326,6 +379,11 @@ def _run_all(calls, x):
     for call in calls:
         x = call(x)
     return x
+
+
+def in_fresh_thread(fn: Callable[..., Any], *args: Any) -> Any:
+    """Runs ``fn(*args)`` eagerly in a thread of its own (see :func:`_in_fresh_thread`)."""
+    return _in_fresh_thread(fn, *args)
 
 
 def _in_fresh_thread(fn: Callable[..., Any], *args: Any) -> Any:

@@ -1,0 +1,242 @@
+"""Benchmark (issue 13): whole-model checkpointing for a memory budget.
+
+    python benchmarks/whole_model.py            # all models, writes results/whole_model.*
+    python benchmarks/whole_model.py --tiny     # small shapes, for a smoke test
+
+Each model runs in a subprocess of its own (a fresh allocator), as one
+``tf.function`` training step (SGD), under every strategy: plain, per-layer
+selections (``apply_checkpointing(model, [cls])``), hand-written per-block
+checkpointing (a plan whose regions are exactly the model's blocks, which is
+what ``checkpointable`` on each block runs), ``budget="min"`` and budgets
+between the least and plain; plans for an XLA step are measured under
+``jit_compile=True``. Peaks come from the BFC allocator; step times are
+medians, as ratios to plain in the same process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+MIB = 2**20
+MODELS = ("resnet50", "unet", "mobilenetv2", "gpt2")
+
+
+def build(name: str, tiny: bool) -> tuple[Any, Any, list[list[str]], int]:
+    """(model, batch maker, hand-written blocks as lists of layer names, batch)."""
+    import keras
+    import tensorflow as tf
+
+    keras.utils.set_random_seed(0)
+    if name == "resnet50":
+        size, batch = (64, 4) if tiny else (128, 16)
+        model = keras.applications.ResNet50(weights=None, input_shape=(size, size, 3),
+                                            classes=10)
+        blocks = _blocks_by_prefix(model, r"^(conv\d_block\d+)_")
+        return model, lambda b: tf.random.normal([b, size, size, 3]), blocks, batch
+    if name == "mobilenetv2":
+        size, batch = (64, 4) if tiny else (128, 16)
+        model = keras.applications.MobileNetV2(weights=None, input_shape=(size, size, 3),
+                                               classes=10)
+        blocks = _blocks_by_prefix(model, r"^(block_\d+)_")
+        return model, lambda b: tf.random.normal([b, size, size, 3]), blocks, batch
+    if name == "unet":
+        return (*_unet(16 if tiny else 64, 4 if tiny else 16), 2 if tiny else 8)
+    if name == "gpt2":
+        import keras_hub
+
+        seq, batch = (16, 2) if tiny else (128, 8)
+        model = keras_hub.models.GPT2Backbone(
+            vocabulary_size=1000, num_layers=2 if tiny else 6, num_heads=4,
+            hidden_dim=64 if tiny else 256, intermediate_dim=128 if tiny else 1024,
+            max_sequence_length=seq)
+
+        def batch_of(b: int) -> dict:
+            return {"token_ids": tf.random.uniform([b, seq], 0, 1000, tf.int32),
+                    "padding_mask": tf.ones([b, seq], tf.int32)}
+
+        blocks = [[layer.name] for layer in model.layers if "transformer_layer" in layer.name]
+        return model, batch_of, blocks, batch
+    raise ValueError(f"unknown model {name!r}; expected one of {MODELS}")
+
+
+def _blocks_by_prefix(model: Any, pattern: str) -> list[list[str]]:
+    """The residual blocks: runs of layers whose names share the prefix ``pattern`` matches."""
+    blocks: dict[str, list[str]] = {}
+    for layer in model.layers:
+        found = re.match(pattern, layer.name)
+        if found:
+            blocks.setdefault(found.group(1), []).append(layer.name)
+    return list(blocks.values())
+
+
+def _unet(image: int, channels: int) -> tuple[Any, Any, list[list[str]]]:
+    """The suite's U-Net (benchmarks/models.py, levels 2) as a functional model."""
+    import keras
+    import tensorflow as tf
+
+    layers = keras.layers
+    blocks: list[list[str]] = []
+
+    def stage(x: Any, width: int, name: str) -> Any:
+        for k in range(2):
+            x = layers.Conv2D(width, 3, padding="same", use_bias=False, name=f"{name}_conv{k}")(x)
+            x = layers.BatchNormalization(name=f"{name}_bn{k}")(x)
+            x = layers.Activation("relu", name=f"{name}_relu{k}")(x)
+        return x
+
+    x = keras.Input((image, image, 3))
+    h = layers.Conv2D(channels, 3, padding="same", name="stem")(x)
+    skips = []
+    for i in range(2):
+        h = stage(h, channels * 2**i, f"down{i}")
+        skips.append(h)
+        h = layers.MaxPooling2D(name=f"down{i}_pool")(h)
+        blocks.append([f"down{i}_{s}" for s in ("conv0", "bn0", "relu0", "conv1", "bn1",
+                                                 "relu1", "pool")])
+    h = stage(h, channels * 4, "mid")
+    blocks.append([f"mid_{s}" for s in ("conv0", "bn0", "relu0", "conv1", "bn1", "relu1")])
+    for i in reversed(range(2)):
+        h = layers.UpSampling2D(name=f"up{i}_up")(h)
+        h = layers.Concatenate(name=f"up{i}_cat")([h, skips[i]])
+        h = stage(h, channels * 2**i, f"up{i}")
+        blocks.append([f"up{i}_{s}" for s in ("up", "cat", "conv0", "bn0", "relu0", "conv1",
+                                               "bn1", "relu1")])
+    model = keras.Model(x, layers.Conv2D(4, 1, name="head")(h), name="unet")
+    return model, lambda b: tf.random.normal([b, image, image, 3]), blocks
+
+
+def worker(name: str, tiny: bool, budgets: int) -> list[dict]:
+    """Measures every strategy on one model (run in its own process)."""
+    import keras
+    import tensorflow as tf
+
+    import tf_checkpointing as tc
+    from tf_checkpointing.planning._model import ModelPlan
+
+    model, batch_of, blocks, batch = build(name, tiny)
+    x = batch_of(batch)
+    model(x)
+    optimizer = keras.optimizers.SGD(1e-3)
+    rows: list[dict] = []
+
+    def step_fn(jit: bool) -> Any:
+        def step(x: Any) -> Any:
+            with tf.GradientTape() as tape:
+                out = model(x, training=True)
+                loss = tf.add_n([tf.reduce_mean(tf.square(tf.cast(o, tf.float32)))
+                                 for o in tf.nest.flatten(out)])
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+        return tf.function(step, jit_compile=jit)
+
+    def measure(strategy: str, jit: bool = False, inputs: Any = x, **extra: Any) -> dict:
+        step = step_fn(jit)
+        step(inputs).numpy()  # trace (and plan) outside the measurement
+        peak = tc.peak_memory(lambda: step(inputs).numpy())
+        times = []
+        for _ in range(1 if tiny else 3):
+            started = time.perf_counter()
+            step(inputs).numpy()
+            times.append(time.perf_counter() - started)
+        row = dict(model=name, strategy=strategy, xla=jit, peak_mib=peak / MIB,
+                   step_s=statistics.median(times), **extra)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+        rows.append(row)
+        return row
+
+    def reset() -> None:
+        vars(model).pop("call", None)
+        for layer in model._flatten_layers(include_self=False, recursive=True):  # noqa: SLF001
+            vars(layer).pop("call", None)
+
+    plain = measure("plain")
+    if name in ("resnet50", "unet"):
+        for cls in ("Conv2D", "BatchNormalization", "Activation"):
+            tc.apply_checkpointing(model, [getattr(keras.layers, cls)])
+            measure(f"per-layer {cls}")
+            reset()
+        tc.apply_checkpointing(model, lambda layer: not isinstance(layer, keras.layers.InputLayer))
+        measure("per-layer every layer")
+        reset()
+    started = time.perf_counter()
+    least = tc.plan_model(model, x, budget="min", mode="graph")
+    plan_s = time.perf_counter() - started
+    names = list(least.call_names)
+    spans = tuple((names.index(b[0]), names.index(b[-1]) + 1, ()) for b in blocks)
+    hand = ModelPlan(least.call_names, spans, "graph", None, 0, 0, 0)
+    tc.apply_checkpointing(model, plan=hand)
+    measure("hand-written per-block", regions=len(spans))
+    for fraction in [0.0] + [(k + 1) / (budgets + 1) for k in range(budgets)]:
+        if fraction == 0.0:
+            plan = least
+        else:
+            budget = int(least.min_budget_bytes + fraction * (
+                least.plain_peak_bytes - least.min_budget_bytes))
+            plan = tc.plan_model(model, x, budget=budget, mode="graph")
+        tc.apply_checkpointing(model, plan=plan)
+        measure("budget=min" if fraction == 0.0 else f"budget {fraction:.2f}",
+                budget_mib=(plan.budget_bytes or plan.min_budget_bytes) / MIB,
+                predicted_mib=plan.predicted_peak_bytes / MIB, fraction=fraction,
+                plan_s=plan_s if fraction == 0.0 else None, regions=len(plan.spans),
+                extra_forward=plan.extra_forward_layers)
+    reset()
+    measure("plain", jit=True)
+    xla_half = None
+    try:
+        xla_least = tc.plan_model(model, x, budget="min", mode="xla")
+        budget = (xla_least.min_budget_bytes + xla_least.plain_peak_bytes) // 2
+        xla_half = tc.plan_model(model, x, budget=budget, mode="xla")
+        tc.apply_checkpointing(model, plan=xla_half)
+        measure("budget 0.50", jit=True, budget_mib=budget / MIB, fraction=0.5,
+                predicted_mib=xla_half.predicted_peak_bytes / MIB)
+    except Exception as error:  # noqa: BLE001 - reported in the table
+        rows.append(dict(model=name, strategy="budget 0.50", xla=True, error=repr(error)))
+    if name == "resnet50" and not tiny:
+        big = batch_of(batch * 5 // 2)
+        reset()
+        tc.apply_checkpointing(model, budget="min")
+        measure("budget=min, batch x2.5", inputs=big, batch=batch * 5 // 2,
+                plain_batch16_peak_mib=plain["peak_mib"])
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="small shapes (smoke test)")
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--budgets", type=int, default=3, help="budgets between min and plain")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=str(RESULTS / "whole_model"))
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args.worker, args.tiny, args.budgets)))
+        return
+    env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="3")
+    rows: list[dict] = []
+    for name in args.models.split(","):
+        command = [sys.executable, __file__, "--worker", name, "--budgets", str(args.budgets)]
+        done = subprocess.run(command + (["--tiny"] if args.tiny else []), env=env,
+                              capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            rows.append(dict(model=name, strategy="(failed)", error=done.stderr[-2000:]))
+            continue
+        rows.extend(json.loads(done.stdout.strip().splitlines()[-1]))
+    from benchmarks.whole_model_report import write  # noqa: PLC0415
+
+    write(rows, Path(args.out))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    main()

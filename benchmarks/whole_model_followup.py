@@ -1,0 +1,77 @@
+"""Follow-up measurements for the whole-model benchmark (one model per run).
+
+    python benchmarks/whole_model_followup.py resnet50 timing   # round-robin step time
+    python benchmarks/whole_model_followup.py resnet50 least    # budget="min" peak
+
+``timing``: plain and halfway-budget steps alternate (7 rounds, medians), so a
+loaded machine slows both alike. ``least``: peak of plain and of the least
+plan, with its prediction. Prints one JSON line; results of the committed run
+are in ``results/whole_model_followup.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import tf_checkpointing as tc  # noqa: E402
+from benchmarks.whole_model import build  # noqa: E402
+
+
+def main(name: str, what: str, rounds: int = 7) -> None:
+    model, batch_of, _, batch = build(name, False)
+    x = batch_of(batch)
+    model(x)
+    optimizer = keras.optimizers.SGD(1e-3)
+
+    def make_step():
+        @tf.function
+        def step(x):
+            with tf.GradientTape() as tape:
+                out = tf.nest.flatten(model(x, training=True))
+                loss = tf.add_n([tf.reduce_mean(tf.square(tf.cast(o, tf.float32))) for o in out])
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+
+        step(x).numpy()  # trace before applying another plan: it keeps its graph
+        return step
+
+    plain = make_step()
+    least = tc.plan_model(model, x, budget="min", mode="graph")
+    if what == "least":
+        before = tc.peak_memory(lambda: plain(x).numpy())
+        tc.apply_checkpointing(model, plan=least)
+        ours = make_step()
+        print(json.dumps({"model": name, "plain": before / 2**20,
+                          "min": tc.peak_memory(lambda: ours(x).numpy()) / 2**20,
+                          "min_predicted": least.predicted_peak_bytes / 2**20}))
+        return
+    half = tc.plan_model(model, x, budget=(least.min_budget_bytes + least.plain_peak_bytes) // 2,
+                         mode="graph")
+    tc.apply_checkpointing(model, plan=half)
+    ours = make_step()
+    times: dict[str, list[float]] = {"plain": [], "half": []}
+    for _ in range(rounds):
+        for key, step in (("plain", plain), ("half", ours)):
+            started = time.perf_counter()
+            step(x).numpy()
+            times[key].append(time.perf_counter() - started)
+    ratio = statistics.median(times["half"]) / statistics.median(times["plain"])
+    print(json.dumps({"model": name, "ratio": ratio, "regions": len(half.spans),
+                      "extra_forward": half.extra_forward_layers}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

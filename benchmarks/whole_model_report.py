@@ -1,0 +1,149 @@
+"""The whole-model benchmark's table, target checks, JSON and plot.
+
+Example:
+    >>> rows = [dict(model="m", strategy="plain", xla=False, peak_mib=10.0, step_s=1.0),
+    ...         dict(model="m", strategy="budget=min", xla=False, peak_mib=4.0, step_s=1.3,
+    ...              budget_mib=4.2, predicted_mib=4.1, fraction=0.0)]
+    >>> print(table(rows).splitlines()[2][:40])
+    | m | plain | tf.function | - | 10.0 |
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+from pathlib import Path
+from typing import Any, Optional
+
+import tensorflow as tf
+
+_HEADER = ("| model | strategy | step | budget MiB | peak MiB | peak x plain | predicted MiB "
+           "| predicted / measured | step x plain | regions | plan s |")
+
+
+def _plain(rows: list[dict], model: str, xla: bool) -> Optional[dict]:
+    return next((r for r in rows if r["model"] == model and r["strategy"] == "plain"
+                 and r.get("xla") == xla and "peak_mib" in r), None)
+
+
+def _fmt(value: Any, spec: str = ".1f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def table(rows: list[dict]) -> str:
+    lines = [_HEADER, "|" + " --- |" * (_HEADER.count("|") - 1)]
+    for r in rows:
+        if "peak_mib" not in r:
+            lines.append(f"| {r['model']} | {r['strategy']} | - | failed: "
+                         f"{r.get('error', '')[-200:].splitlines()[-1:]} |")
+            continue
+        plain = _plain(rows, r["model"], r.get("xla", False))
+        ratio = r["peak_mib"] / plain["peak_mib"] if plain else None
+        speed = r["step_s"] / plain["step_s"] if plain else None
+        pred = r.get("predicted_mib")
+        batch = f" (batch {r['batch']})" if "batch" in r else ""
+        lines.append(
+            f"| {r['model']} | {r['strategy']}{batch}"
+            f" | {'XLA' if r.get('xla') else 'tf.function'} | {_fmt(r.get('budget_mib'))} "
+            f"| {r['peak_mib']:.1f} | {_fmt(ratio, '.2f')} | {_fmt(pred)} "
+            f"| {_fmt(pred / r['peak_mib'] if pred else None, '.2f')} | {_fmt(speed, '.2f')} "
+            f"| {_fmt(r.get('regions'), 'd')} | {_fmt(r.get('plan_s'))} |")
+    return "\n".join(lines)
+
+
+def targets(rows: list[dict]) -> list[tuple[str, str, bool]]:
+    """(target, measured, met) for each issue-13 target the rows can answer."""
+    out = []
+
+    def row(model: str, strategy: str, xla: bool = False) -> Optional[dict]:
+        return next((r for r in rows if r["model"] == model and r["strategy"] == strategy
+                     and r.get("xla", False) == xla and "peak_mib" in r), None)
+
+    for model in ("resnet50", "unet"):
+        least, hand = row(model, "budget=min"), row(model, "hand-written per-block")
+        if least and hand:
+            ratio = least["peak_mib"] / hand["peak_mib"]
+            out.append((f"{model}: budget='min' peak <= 0.8x hand-written per-block",
+                        f"{ratio:.2f}x ({least['peak_mib']:.0f} vs {hand['peak_mib']:.0f} MiB)",
+                        ratio <= 0.8))
+        per_layer = [r for r in rows if r["model"] == model
+                     and r["strategy"].startswith("per-layer") and "peak_mib" in r]
+        if least and per_layer:
+            lowest = min(per_layer, key=lambda r: r["peak_mib"])
+            out.append((f"{model}: budget='min' below every per-layer selection",
+                        f"{least['peak_mib']:.0f} MiB vs {lowest['peak_mib']:.0f} "
+                        f"({lowest['strategy']})", least["peak_mib"] < lowest["peak_mib"]))
+    for r in rows:
+        if r.get("budget_mib") is None or "peak_mib" not in r or r["strategy"] == "budget=min":
+            continue
+        where = f"{r['model']} {r['strategy']}{' XLA' if r.get('xla') else ''}"
+        over = r["peak_mib"] / r["budget_mib"]
+        out.append((f"{where}: peak <= 1.05x budget", f"{over:.2f}x", over <= 1.05))
+        if r.get("predicted_mib"):
+            err = r["predicted_mib"] / r["peak_mib"] - 1
+            out.append((f"{where}: predicted within 10%", f"{err:+.0%}", abs(err) <= 0.10))
+    for model in sorted({r["model"] for r in rows}):
+        half, plain = row(model, "budget 0.50"), _plain(rows, model, False)
+        if half and plain:
+            speed = half["step_s"] / plain["step_s"]
+            out.append((f"{model}: halfway budget step time <= 1.2x plain", f"{speed:.2f}x",
+                        speed <= 1.2))
+    big = row("resnet50", "budget=min, batch x2.5")
+    if big:
+        out.append(("resnet50: batch 40 (2.5x) fits plain's batch-16 peak",
+                    f"{big['peak_mib']:.0f} vs {big['plain_batch16_peak_mib']:.0f} MiB",
+                    big["peak_mib"] <= big["plain_batch16_peak_mib"]))
+    least = row("resnet50", "budget=min")
+    if least and least.get("plan_s") is not None:
+        out.append(("resnet50: planning < 60 s (2 cores, loaded machine)",
+                    f"{least['plan_s']:.0f} s", least["plan_s"] < 60))
+    return out
+
+
+def write(rows: list[dict], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
+    checks = targets(rows)
+    text = [f"# Whole-model checkpointing (issue 13)\n\nTensorFlow {tf.__version__}, "
+            f"{platform.machine()}, CPU, 2 cores shared with other jobs (loaded machine: "
+            "step times are same-run ratios; absolute times are not meaningful).\n",
+            table(rows), "\n## Targets\n", "| target | measured | met |", "| --- | --- | --- |"]
+    text += [f"| {t} | {m} | {'PASS' if ok else 'FAIL'} |" for t, m, ok in checks]
+    out.with_suffix(".md").write_text("\n".join(text) + "\n")
+    _plot(rows, out.with_suffix(".png"))
+    print("\n".join(text))
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = sorted({r["model"] for r in rows if "peak_mib" in r})
+    fig, axes = plt.subplots(1, max(1, len(models)), figsize=(4.5 * len(models), 4))
+    axes = [axes] if len(models) == 1 else list(axes)
+    for ax, model in zip(axes, models):
+        plain = _plain(rows, model, False)
+        if not plain:
+            continue
+        mine = [r for r in rows if r["model"] == model and not r.get("xla") and "peak_mib" in r
+                and r.get("fraction") is not None]
+        mine.sort(key=lambda r: r["fraction"])
+        ax.plot([r["peak_mib"] / plain["peak_mib"] for r in mine],
+                [r["step_s"] / plain["step_s"] for r in mine], "o-", label="budget plans")
+        for r in rows:
+            if r["model"] != model or r.get("xla") or "peak_mib" not in r or r in mine:
+                continue
+            if "batch" in r:
+                continue
+            marker = "s" if r["strategy"] == "plain" else ("D" if "hand" in r["strategy"]
+                                                            else "x")
+            ax.plot(r["peak_mib"] / plain["peak_mib"], r["step_s"] / plain["step_s"], marker,
+                    label=r["strategy"])
+        ax.set_title(model)
+        ax.set_xlabel("peak memory x plain")
+        ax.set_ylabel("step time x plain")
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

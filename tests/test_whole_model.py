@@ -1,0 +1,259 @@
+"""Whole-model checkpointing: plan_model and apply_checkpointing(budget= / plan=).
+
+Each model is run plainly, its variables put back, then checkpointed by a
+plan and run again: outputs, input and variable gradients and the state
+(BatchNorm statistics, dropout seeds) must equal the plain run's.
+"""
+
+import dataclasses
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from helpers import assert_all_close, grads_of
+
+import tf_checkpointing as tc
+
+
+class Replays(keras.layers.Layer):
+    """Identity that counts how often it runs inside a replay."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.replays = 0
+
+    def call(self, x):
+        if tc.is_recomputing():
+            self.replays += 1
+        return x
+
+
+def residual_net(count=True):
+    x = keras.Input((8, 8, 3), name="image")
+    h = keras.layers.Conv2D(8, 3, padding="same", name="stem")(x)
+    for i in range(3):
+        y = keras.layers.Conv2D(8, 3, padding="same", name=f"conv{i}")(h)
+        y = keras.layers.BatchNormalization(name=f"bn{i}")(y)
+        y = keras.layers.Activation("relu", name=f"relu{i}")(y)
+        y = keras.layers.Dropout(0.3, name=f"drop{i}")(y)
+        y = Replays(name=f"count{i}")(y) if count else y
+        h = keras.layers.Add(name=f"add{i}")([h, y])
+    pooled = keras.layers.GlobalAveragePooling2D(name="pool")(h)
+    return keras.Model(x, keras.layers.Dense(2, name="head")(pooled), name="residual")
+
+
+def unet():
+    x = keras.Input((16, 16, 2))
+    s1 = keras.layers.Conv2D(4, 3, padding="same", activation="relu")(x)
+    s1 = keras.layers.BatchNormalization()(s1)
+    s2 = keras.layers.Conv2D(8, 3, padding="same", activation="relu")(
+        keras.layers.MaxPooling2D()(s1))
+    bottom = keras.layers.Conv2D(8, 3, padding="same", activation="relu")(
+        keras.layers.MaxPooling2D()(s2))
+    up2 = keras.layers.Concatenate()([keras.layers.UpSampling2D()(bottom), s2])
+    up2 = keras.layers.Conv2D(8, 3, padding="same", activation="relu")(up2)
+    up1 = keras.layers.Concatenate()([keras.layers.UpSampling2D()(up2), s1])
+    up1 = keras.layers.Dropout(0.2)(keras.layers.Conv2D(4, 3, padding="same")(up1))
+    return keras.Model(x, keras.layers.Conv2D(1, 1)(up1), name="unet")
+
+
+def two_in_two_out():
+    a, b = keras.Input((6,), name="a"), keras.Input((4,), name="b")
+    ha = keras.layers.Dense(16, activation="tanh")(a)
+    hb = keras.layers.Dense(16, activation="relu")(b)
+    h = keras.layers.Concatenate()([ha, hb])
+    h = keras.layers.Dropout(0.25)(keras.layers.Dense(16, activation="gelu")(h))
+    h = keras.layers.LayerNormalization()(h)
+    return keras.Model([a, b], [keras.layers.Dense(3)(h), keras.layers.Dense(1)(ha)],
+                       name="two_io")
+
+
+def nested():
+    inner_in = keras.Input((12,))
+    t = keras.layers.Dense(12, activation="relu")(inner_in)
+    t = keras.layers.BatchNormalization()(t)
+    inner = keras.Model(inner_in, keras.layers.Add()([inner_in, t]), name="inner")
+    head = keras.Sequential([keras.Input((12,)), keras.layers.Dense(12, activation="relu"),
+                             keras.layers.Dropout(0.2)], name="seq")
+    x = keras.Input((12,))
+    h = inner(inner(keras.layers.Dense(12)(x)))  # one nested model, called twice
+    return keras.Model(x, keras.layers.Dense(2)(head(h)), name="outer")
+
+
+MODELS = {
+    "residual": (residual_net, lambda: [tf.random.stateless_normal([4, 8, 8, 3], [0, 1])]),
+    "unet": (unet, lambda: [tf.random.stateless_normal([2, 16, 16, 2], [0, 2])]),
+    "two_io": (two_in_two_out, lambda: [tf.random.stateless_normal([8, 6], [0, 3]),
+                                        tf.random.stateless_normal([8, 4], [0, 4])]),
+    "nested": (nested, lambda: [tf.random.stateless_normal([8, 12], [0, 5])]),
+}
+
+
+def _run(model, inputs, mode):
+    if len(inputs) == 1:
+        fn = lambda x: model(x, training=True)  # noqa: E731
+    else:
+        fn = lambda *xs: model(list(xs), training=True)  # noqa: E731
+    loss, grads = grads_of(fn, inputs, model.trainable_variables, mode)
+    return loss, grads, [v.numpy() for v in model.variables]
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_gradients_and_state_equal_plain(name, mode):
+    build, make_inputs = MODELS[name]
+    keras.utils.set_random_seed(0)
+    model, inputs = build(), make_inputs()
+    model(inputs if len(inputs) > 1 else inputs[0])
+    before = [v.numpy() for v in model.variables]
+    plain = _run(model, inputs, mode)
+    for variable, value in zip(model.variables, before):
+        variable.assign(value)
+    plan = tc.plan_model(model, inputs if len(inputs) > 1 else inputs[0], budget="min",
+                         mode="eager")
+    assert plan.spans, str(plan)
+    assert tc.apply_checkpointing(model, plan=plan) == [model]
+    ours = _run(model, inputs, mode)
+    assert_all_close(ours[0], plain[0])
+    assert_all_close(ours[1], plain[1], atol=1e-5)
+    assert_all_close(ours[2], plain[2], atol=1e-5)
+    if name == "residual":  # replayed: some counting layer ran inside a replay
+        replays = sum(model.get_layer(f"count{i}").replays for i in range(3))
+        assert replays > 0, str(plan)
+
+
+def test_plan_lists_regions_by_layer_name():
+    keras.utils.set_random_seed(0)
+    model = residual_net()
+    plan = tc.plan_model(model, tf.random.normal([4, 8, 8, 3]), budget="min", mode="eager")
+    names = [layer.name for layer in model.layers[1:]]
+
+    def flat(region):
+        return [n for item in region for n in (flat(item) if isinstance(item, list) else [item])]
+
+    for region in map(flat, plan.regions):
+        assert region == names[names.index(region[0]):names.index(region[0]) + len(region)]
+    assert plan.extra_forward_layers >= sum(len(flat(r)) for r in plan.regions)
+    assert "ModelPlan" in str(plan) and "checkpointed regions" in str(plan)
+    assert plan.predicted_peak_bytes <= plan.plain_peak_bytes
+
+
+def test_fit_trains_identically_with_a_budget():
+    x = np.random.default_rng(0).random((16, 8, 8, 3), np.float32)
+    y = np.random.default_rng(1).random((16, 2), np.float32)
+    weights = []
+    for budget in (None, "min"):
+        keras.utils.set_random_seed(0)
+        model = residual_net()
+        if budget:
+            tc.apply_checkpointing(model, budget=budget)
+        model.compile("sgd", "mse")
+        history = model.fit(x, y, batch_size=8, epochs=2, verbose=0).history["loss"]
+        weights.append((history, model.get_weights()))
+    assert model.call.plan is not None and model.call.plan.mode == "graph"
+    assert_all_close(weights[1][0], weights[0][0])
+    assert_all_close(weights[1][1], weights[0][1], atol=1e-5)
+
+
+def test_saved_model_is_the_plain_model(tmp_path):
+    keras.utils.set_random_seed(0)
+    model = residual_net()
+    x = tf.random.normal([4, 8, 8, 3])
+    names = [v.path for v in model.variables]
+    tc.apply_checkpointing(model, plan=tc.plan_model(model, x, budget="min", mode="eager"))
+    assert [v.path for v in model.variables] == names
+    model.save(tmp_path / "m.keras")
+    loaded = keras.saving.load_model(tmp_path / "m.keras",
+                                     custom_objects={"Replays": Replays})
+    assert "call" not in vars(loaded)
+    assert_all_close(loaded.get_weights(), model.get_weights())
+    assert_all_close(loaded(x), model(x))
+
+
+def test_subclassed_model_gets_a_clear_error():
+    class Net(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(2)
+
+        def call(self, x):
+            return self.dense(x)
+
+    net = Net()
+    net(tf.ones([1, 3]))
+    with pytest.raises(ValueError, match="subclassed.*select=.*CheckpointedSequential"):
+        tc.apply_checkpointing(net, budget="min")
+
+
+def test_exactly_one_of_select_budget_plan():
+    model = residual_net()
+    with pytest.raises(TypeError, match="exactly one of"):
+        tc.apply_checkpointing(model, ["stem"], budget="min")
+    with pytest.raises(TypeError, match="exactly one of"):
+        tc.apply_checkpointing(model)
+    with pytest.raises(ValueError, match="budget.*'min'"):
+        tc.apply_checkpointing(model, budget="least")
+
+
+def test_plan_for_another_model_is_refused():
+    keras.utils.set_random_seed(0)
+    plan = tc.plan_model(unet(), tf.random.normal([2, 16, 16, 2]), budget="min",
+                         mode="eager")
+    with pytest.raises(ValueError, match="made for another model"):
+        tc.apply_checkpointing(residual_net(), plan=plan)
+
+
+def test_costly_selection_warns_and_names_the_budget():
+    model = residual_net(count=False)
+    with pytest.warns(UserWarning, match=r"predicted to keep 1\.\d+x.*budget='min'"):
+        tc.apply_checkpointing(model, [keras.layers.Activation])
+    with warnings.catch_warnings():  # a multi-layer block: no prediction, no warning
+        warnings.simplefilter("error")
+        tc.apply_checkpointing(nested(), ["inner"])
+
+
+@pytest.mark.parametrize("api", ["checkpoint_sequential", "CheckpointedSequential"])
+def test_chain_apis_say_a_dag_is_not_a_chain(api):
+    model = residual_net(count=False)
+    with pytest.raises(ValueError, match=r"not a chain: layer 'add0'.*apply_checkpointing\("
+                                         r"model, budget="):
+        if api == "checkpoint_sequential":
+            tc.checkpoint_sequential(model.layers, tf.ones([1, 8, 8, 3]))
+        else:
+            tc.CheckpointedSequential(model.layers[1:])
+
+
+def test_xla_plans_are_scaled_to_the_measured_xla_step():
+    keras.utils.set_random_seed(0)
+    layers = [keras.layers.Dense(64, activation="relu") for _ in range(6)]
+    x = tf.random.normal([256, 64])
+    plan = tc.plan_sequential(layers, x, budget=2**30, mode="xla")
+    assert plan.profile.compiled and plan.profile.xla
+    model = residual_net(count=False)
+    assert tc.plan_model(model, tf.random.normal([2, 8, 8, 3]), budget="min",
+                         mode="xla").mode == "xla"
+
+
+def test_nested_regions_equal_plain(mode):
+    """A region whose replay checkpoints a sub-region of its own (one level)."""
+    keras.utils.set_random_seed(0)
+    model, inputs = residual_net(), [tf.random.stateless_normal([4, 8, 8, 3], [0, 1])]
+    before = [v.numpy() for v in model.variables]
+    plain = _run(model, inputs, mode)
+    for variable, value in zip(model.variables, before):
+        variable.assign(value)
+    least = tc.plan_model(model, inputs[0], budget="min", mode="eager")
+    n = len(least.call_names)  # stem, 3 x (conv bn relu drop count add), pool, head
+    spans = ((1, n - 2, ((1, 7, ()), (7, 13, ()))),)
+    plan = dataclasses.replace(least, spans=spans)
+    assert plan.regions[0][0] == list(least.call_names[1:7])
+    assert plan.extra_forward_layers == (n - 3) + 12
+    tc.apply_checkpointing(model, plan=plan)
+    ours = _run(model, inputs, mode)
+    assert_all_close(ours[0], plain[0])
+    assert_all_close(ours[1], plain[1], atol=1e-5)
+    assert_all_close(ours[2], plain[2], atol=1e-5)
+    # count0 and count1 replay twice (outer and inner replay), count2 once.
+    replays = [model.get_layer(f"count{i}").replays for i in range(3)]
+    assert replays[0] == replays[1] == 2 * replays[2] > 0, replays

@@ -1,0 +1,100 @@
+"""Whole-model checkpointing with the rest of Keras: mixed precision,
+evaluate / predict, and tf.distribute (MirroredStrategy over two logical CPU
+devices, in a fresh interpreter since devices are configured at start-up)."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from helpers import assert_all_close, grads_of
+from test_whole_model import residual_net
+
+import tf_checkpointing as tc
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def mixed_float16():
+    previous = keras.config.dtype_policy()
+    keras.config.set_dtype_policy("mixed_float16")
+    yield
+    keras.config.set_dtype_policy(previous)
+
+
+def test_mixed_precision_gradients_equal_plain(mixed_float16, mode):
+    keras.utils.set_random_seed(0)
+    model = residual_net()
+    x = tf.random.stateless_normal([4, 8, 8, 3], [0, 1])
+    before = [v.numpy() for v in model.variables]
+    fn = lambda x: model(x, training=True)  # noqa: E731
+    plain = grads_of(fn, [x], model.trainable_variables, mode)
+    for variable, value in zip(model.variables, before):
+        variable.assign(value)
+    plan = tc.plan_model(model, x, budget="min", mode="eager")
+    assert plan.spans
+    tc.apply_checkpointing(model, plan=plan)
+    ours = grads_of(fn, [x], model.trainable_variables, mode)
+    assert_all_close(ours, plain, rtol=1e-3, atol=1e-3)
+
+
+def test_evaluate_and_predict_run_the_plain_graph():
+    keras.utils.set_random_seed(0)
+    x = np.random.default_rng(0).random((8, 8, 8, 3), np.float32)
+    y = np.random.default_rng(1).random((8, 2), np.float32)
+    model = residual_net()
+    model.compile("sgd", "mse")
+    expected = (model.predict(x, verbose=0), model.evaluate(x, y, verbose=0))
+    tc.apply_checkpointing(model, budget="min")
+    assert_all_close(model.predict(x, verbose=0), expected[0], atol=1e-6)
+    assert_all_close(model.evaluate(x, y, verbose=0), expected[1], atol=1e-6)
+    assert model.call.plan is None  # inference only: nothing planned
+
+
+MIRRORED = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    import tensorflow as tf
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    import keras
+    import tf_checkpointing as tc
+    sys.path.insert(0, "tests")
+    from test_whole_model import residual_net
+
+    x = np.random.default_rng(0).random((16, 8, 8, 3), np.float32)
+    y = np.random.default_rng(1).random((16, 2), np.float32)
+    weights = []
+    for budget in (None, "min"):
+        strategy = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
+        with strategy.scope():
+            keras.utils.set_random_seed(0)
+            model = residual_net()
+            if budget:
+                tc.apply_checkpointing(model, budget=budget)
+            model.compile("sgd", "mse")
+        model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
+        weights.append([w.tolist() for w in model.get_weights()])
+    print("PLAN", model.call.plan is not None and bool(model.call.plan.spans))
+    print("RESULT", json.dumps(weights))
+""")
+
+
+@pytest.mark.slow
+def test_mirrored_strategy_fit_equals_plain():
+    env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="3")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", MIRRORED], env=env, capture_output=True,
+                          text=True, timeout=600, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "PLAN True" in done.stdout, done.stdout[-2000:]
+    plain, ours = json.loads(done.stdout.split("RESULT", 1)[1])
+    for a, b in zip(plain, ours):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5)

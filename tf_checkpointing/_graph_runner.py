@@ -1,0 +1,166 @@
+"""Running a functional model's graph with some regions checkpointed.
+
+``apply_checkpointing(model, budget=...)`` (or ``plan=``) replaces the model
+instance's ``call`` with a :class:`GraphRunner`: it runs the layer calls of the
+flattened graph (:mod:`tf_checkpointing.planning._graph`) in the order Keras'
+``Functional._run_through_graph`` does, with the same call-context arguments
+(``training``) and masks, and each region of the plan as one
+:func:`~tf_checkpointing._recompute.checkpointed_call` that takes every tensor
+entering the region and returns every tensor of it read later (and the model
+outputs it makes). The layers are called as in the plain model, so autocast,
+dropout seeds and BatchNorm updates happen exactly as there, and the replay
+machinery replays them. The layers, their weights and the saved model do not
+change; only this instance runs differently.
+
+With a budget, the plan is made on the first call that can take a gradient
+and is not an inference call (``training=False``: ``evaluate``, ``predict``,
+which run plainly until then), from that batch, in the mode that call runs
+(eager, a graph while it is traced, XLA while a ``jit_compile=True`` function
+is), as ``CheckpointedSequential`` does.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import keras
+from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
+from keras.src.models.functional import unpack_singleton
+
+from tf_checkpointing._recompute import checkpointed_call, needs_checkpoint
+from tf_checkpointing.planning._graph import (
+    Key,
+    LayerGraph,
+    functional_of,
+    read_graph,
+    run_call,
+)
+from tf_checkpointing.planning._model import plan_graph, step_mode
+from tf_checkpointing.planning._plan import ModelPlan
+
+__all__: list[str] = []
+
+_API = "apply_checkpointing"
+
+
+class GraphRunner:
+    """The ``call`` of a model that runs its graph by a :class:`ModelPlan`."""
+
+    def __init__(self, graph: LayerGraph, *, plan: Optional[ModelPlan] = None,
+                 budget: Optional[int] = None, mode: str = "auto",
+                 original_call: Any = None, force_seed: bool = False,
+                 check: Any = False) -> None:
+        self.graph = graph
+        self.force_seed, self.check = force_seed, check
+        self.plan = plan
+        self.budget = budget
+        self.mode = mode
+        self.original_call = original_call
+        readers = graph.consumers()
+        outputs = set(graph.output_keys)
+        n = len(graph.calls)
+        # The last call reading each key (n: the model returns it).
+        self._last = {k: n if k in outputs else max(r) for k, r in readers.items()}
+        for key in outputs:
+            self._last[key] = n
+
+    def __call__(self, inputs: Any, training: Any = None, mask: Any = None,
+                 **kwargs: Any) -> Any:
+        functional = functional_of(self.graph.model)
+        flat = self.graph.model_inputs(inputs)
+        if mask is not None:
+            for x, m in zip(flat, keras.tree.flatten(mask)):
+                if m is not None:
+                    set_keras_mask(x, m)
+        env = dict(zip(self.graph.input_keys, flat))
+        context = dict(kwargs, training=training)
+        n = len(self.graph.calls)
+        # Nothing can take a gradient, or an inference call (evaluate, predict:
+        # training=False): run it plainly, and plan only for training steps.
+        if not needs_checkpoint() or (training is False and self.plan is None):
+            self._run(env, 0, n, context)
+        else:
+            if self.plan is None:
+                self.plan = plan_graph(self.graph, inputs, self.budget,
+                                       mode=step_mode(self.mode), api=_API)
+            self._run_spans(env, 0, n, self.plan.spans, context)
+        outputs = [env[k] for k in self.graph.output_keys]
+        return unpack_singleton(keras.tree.pack_sequence_as(
+            functional._outputs_struct, outputs))  # noqa: SLF001
+
+    def _run_spans(self, env: dict[Key, Any], start: int, stop: int, spans: tuple,
+                   context: dict) -> None:
+        """Runs ``[start, stop)``, the ``(start, stop, inner)`` spans checkpointed."""
+        at = start
+        for a, c, inner in spans:
+            self._run(env, at, a, context)
+            self._run_checkpointed(env, a, c, inner, context)
+            at = c
+        self._run(env, at, stop, context)
+
+    def _run(self, env: dict[Key, Any], start: int, stop: int, context: dict) -> None:
+        for i in range(start, stop):
+            call = self.graph.calls[i]
+            run_call(call, env, context)
+            self._forget(env, call.in_keys, i)
+
+    def _forget(self, env: dict[Key, Any], keys: Any, i: int) -> None:
+        """Drops values no later call reads (what the tape needs, it keeps)."""
+        for key in keys:
+            if self._last.get(key, -1) <= i and key in env:
+                del env[key]
+
+    def _run_checkpointed(self, env: dict[Key, Any], start: int, stop: int, inner: tuple,
+                          context: dict) -> None:
+        calls = self.graph.calls[start:stop]
+        made = {k for call in calls for k in call.out_keys}
+        entering = list(dict.fromkeys(k for call in calls for k in call.in_keys
+                                      if k not in made))
+        leaving = [k for k in dict.fromkeys(k for call in calls for k in call.out_keys)
+                   if self._last.get(k, -1) >= stop]
+        values = [env[k] for k in entering]
+        masks = [get_keras_mask(v) for v in values]
+
+        def region(values: list[Any], masks: list[Any]) -> tuple[list, list]:
+            local = dict(zip(entering, values))
+            for value, m in zip(values, masks):
+                if m is not None:
+                    set_keras_mask(value, m)
+            # Nested regions are checkpointed in the replay (in the forward, which
+            # runs untaped, they simply run).
+            self._run_spans(local, start, stop, inner, context)
+            out = [local[k] for k in leaving]
+            return out, [get_keras_mask(v) for v in out]
+
+        region.__name__ = region.__qualname__ = f"region_{calls[0].name}_to_{calls[-1].name}"
+        out, out_masks = checkpointed_call(region, (values, masks), {},
+                                           force_seed=self.force_seed, check=self.check)
+        for key, value, m in zip(leaving, out, out_masks):
+            if m is not None:
+                set_keras_mask(value, m)
+            env[key] = value
+        self._forget(env, entering, stop - 1)
+
+
+def install(model: Any, *, plan: Optional[ModelPlan] = None, budget: Optional[int] = None,
+            mode: str = "auto", force_seed: bool = False, check: Any = False) -> GraphRunner:
+    """Makes ``model`` run its graph by ``plan`` (or by the plan for ``budget``
+    made on its first training call): replaces the instance's ``call``."""
+    graph = read_graph(model, _API)
+    if plan is not None:
+        names = tuple(call.name for call in graph.calls)
+        if names != plan.call_names:
+            raise ValueError(
+                f"{_API}: argument `plan` was made for another model: it has "
+                f"{len(plan.call_names)} layer calls, `{model.name}` has {len(names)}"
+                f"{'' if len(names) != len(plan.call_names) else ' with other names'}. "
+                "Make the plan with plan_model(model, inputs, budget=...) on this model."
+            )
+    current = vars(model).get("call")
+    original = current.original_call if isinstance(current, GraphRunner) else None
+    runner = GraphRunner(graph, plan=plan, budget=budget, mode=mode,
+                         original_call=original or type(model).call,
+                         force_seed=force_seed, check=check)
+    # Plain object.__setattr__: nothing for Keras or TensorFlow to track.
+    object.__setattr__(model, "call", runner)
+    return runner

@@ -1,0 +1,212 @@
+"""The layer graph of a Keras model, as one flat list of calls in run order.
+
+A functional model (and a ``keras.Sequential`` built with an input) records
+every layer call as a ``Node`` of its graph (``keras/src/ops/function.py``):
+the layer, its symbolic arguments, its symbolic outputs. :func:`read_graph`
+lists those nodes in the order ``Functional._run_through_graph`` runs them
+(deepest first), and replaces each functional model nested as a layer by its
+own nodes, so that a region may start or end inside it. Tensors are named by
+keys (``(scope, id(keras_tensor))``: a nested model called twice gets two
+scopes), and each call knows which keys it reads and writes. The planner
+(:mod:`tf_checkpointing.planning._model`) and the runner
+(:mod:`tf_checkpointing._graph_runner`) both work on this list.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any, Optional
+
+import keras
+from keras.src.models.functional import operation_fn as _operation_fn
+
+__all__: list[str] = []
+
+Key = tuple[int, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphCall:
+    """One layer call of the flattened graph.
+
+    Attributes:
+        name: the layer's name.
+        layer: the layer (a Keras ``Operation``) called.
+        arguments: the node's ``SymbolicArguments`` (args and kwargs with
+            KerasTensors in them).
+        arg_keys: for each KerasTensor of ``arguments.keras_tensors``, the key
+            of the value it stands for.
+        out_keys: the keys of its outputs, in ``tree.flatten`` order.
+    """
+
+    name: str
+    layer: Any
+    arguments: Any
+    arg_keys: tuple[Key, ...]
+    out_keys: tuple[Key, ...]
+
+    @property
+    def in_keys(self) -> tuple[Key, ...]:
+        return tuple(dict.fromkeys(self.arg_keys))
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerGraph:
+    """A model's graph: ``calls`` in run order, from ``input_keys`` (one per
+    flat model input) to ``output_keys`` (one per flat model output)."""
+
+    model: Any
+    calls: tuple[GraphCall, ...]
+    input_keys: tuple[Key, ...]
+    output_keys: tuple[Key, ...]
+
+    def model_inputs(self, inputs: Any) -> list[Any]:
+        """``inputs`` as the flat list of values for ``input_keys``, as Keras'
+        own ``Functional.call`` standardizes them (structure, dtypes)."""
+        return list(functional_of(self.model)._standardize_inputs(inputs))  # noqa: SLF001
+
+    def consumers(self) -> dict[Key, list[int]]:
+        """For each key, the indices of the calls that read it, in order."""
+        readers: dict[Key, list[int]] = {}
+        for i, call in enumerate(self.calls):
+            for key in call.in_keys:
+                readers.setdefault(key, []).append(i)
+        return readers
+
+    def producers(self) -> dict[Key, int]:
+        """For each key, the index of the call that writes it (-1: a model input)."""
+        made = {key: -1 for key in self.input_keys}
+        for i, call in enumerate(self.calls):
+            for key in call.out_keys:
+                made[key] = i
+        return made
+
+
+def functional_of(model: Any) -> Any:
+    """The ``Functional`` that runs ``model``: itself, a Sequential's inner one,
+    or None for a model whose graph is not recorded (subclassed, unbuilt)."""
+    if isinstance(model, keras.Sequential):
+        return getattr(model, "_functional", None)
+    if isinstance(model, keras.Model) and hasattr(model, "_nodes_by_depth") and hasattr(
+            model, "_run_through_graph"):
+        return model
+    return None
+
+
+def read_graph(model: Any, api: str) -> LayerGraph:
+    """The flattened layer graph of ``model``, or a clear error when it has none."""
+    functional = functional_of(model)
+    if functional is None:
+        kind = "keras.Sequential without an input shape" if isinstance(
+            model, keras.Sequential) else f"{type(model).__name__} (a subclassed model)"
+        raise ValueError(
+            f"{api}: planning a whole model needs its layer graph, but `{model.name}` "
+            f"is a {kind}, whose graph Keras does not record; received model={model!r}. "
+            "Build it with the functional API or keras.Sequential([keras.Input(...), "
+            "...]); or checkpoint chosen layers with apply_checkpointing(model, "
+            "select=...), a chain of them with CheckpointedSequential(budget=...), or "
+            "decorate its blocks with checkpointable."
+        )
+    scopes = itertools.count(1)
+    input_keys = tuple((0, id(x)) for x in functional.inputs)
+    calls: list[GraphCall] = []
+    output_keys = _flatten_into(functional, 0, {}, calls, scopes)
+    return LayerGraph(model=model, calls=tuple(calls), input_keys=input_keys,
+                      output_keys=tuple(output_keys))
+
+
+def _flatten_into(functional: Any, scope: int, aliases: dict[int, Key],
+                  calls: list[GraphCall], scopes: Any) -> list[Key]:
+    """Appends ``functional``'s calls; returns the keys of its outputs.
+    ``aliases`` maps ids of its input KerasTensors to the outer keys they take."""
+
+    def key_of(tensor: Any) -> Key:
+        return aliases.get(id(tensor), (scope, id(tensor)))
+
+    for depth in sorted(functional._nodes_by_depth, reverse=True):  # noqa: SLF001
+        for node in functional._nodes_by_depth[depth]:  # noqa: SLF001
+            if not node.operation or node.is_input:
+                continue
+            arg_keys = tuple(key_of(t) for t in node.arguments.keras_tensors)
+            inner = functional_of(node.operation)
+            if inner is not None and _expandable(node, inner):
+                inner_scope = next(scopes)
+                inner_aliases = {id(x): k for x, k in zip(inner.inputs, arg_keys)}
+                outs = _flatten_into(inner, inner_scope, inner_aliases, calls, scopes)
+                # The outer node's outputs are the inner model's outputs.
+                for tensor, key in zip(node.outputs, outs):
+                    aliases[id(tensor)] = key
+                continue
+            calls.append(GraphCall(
+                name=node.operation.name, layer=node.operation, arguments=node.arguments,
+                arg_keys=arg_keys, out_keys=tuple(key_of(t) for t in node.outputs)))
+    return [key_of(t) for t in functional.outputs]
+
+
+def _expandable(node: Any, inner: Any) -> bool:
+    """A nested model called on one positional argument holding exactly its
+    inputs, in a list/tuple or alone (a dict is matched by name in Keras:
+    kept as one call), with no keyword (``training=`` or ``mask=`` given
+    there would differ from the outer call's), and whose ``call`` is Keras' own."""
+    args, kwargs = node.arguments.args, node.arguments.kwargs
+    if len(args) != 1 or kwargs or isinstance(args[0], dict):
+        return False
+    if "call" in vars(node.operation) or "call" in vars(inner):
+        return False  # patched (checkpointed) already: run it as it is
+    flat = keras.tree.flatten(args[0])
+    return (len(flat) == len(inner.inputs) == len(node.arguments.keras_tensors)
+            and len(node.outputs) == len(inner.outputs))
+
+
+def run_call(call: GraphCall, env: dict[Key, Any], context: dict[str, Any]) -> None:
+    """Runs one call on the values in ``env`` and stores its outputs there, as
+    ``Functional._run_through_graph`` does: the call-context arguments
+    (``training``, ...) reach the layers that register them."""
+    values = {id(t): env[k] for t, k in zip(call.arguments.keras_tensors, call.arg_keys)}
+    args, kwargs = call.arguments.fill_in(values)
+    outputs = _operation_fn(call.layer, **context)(*args, **kwargs)
+    for key, value in zip(call.out_keys, keras.tree.flatten(outputs)):
+        env[key] = value
+
+
+def last_uses(graph: LayerGraph) -> list[int]:
+    """For each key, the index of the last call that reads it (``len(calls)`` for
+    a model output), as a list aligned with :func:`tensor_keys`."""
+    readers = graph.consumers()
+    outputs = set(graph.output_keys)
+    return [len(graph.calls) if key in outputs else max(readers.get(key, [-1]))
+            for key in tensor_keys(graph)]
+
+
+def tensor_keys(graph: LayerGraph) -> list[Key]:
+    """Every key, in the order it is made: the inputs, then each call's outputs."""
+    keys = list(dict.fromkeys(graph.input_keys))
+    for call in graph.calls:
+        keys.extend(call.out_keys)
+    return list(dict.fromkeys(keys))
+
+
+def chain_break(layers: list[Any]) -> Optional[str]:
+    """Why ``layers`` (e.g. ``model.layers`` of a functional model) is not a
+    chain, from the graph their calls recorded; None when it may be one.
+
+    Only layers called once in a graph are judged (a layer called elsewhere
+    too may well be used as a chain here)."""
+    previous = None
+    for i, layer in enumerate(layers):
+        nodes = getattr(layer, "_inbound_nodes", None)
+        if isinstance(layer, keras.layers.InputLayer) or not nodes or len(nodes) != 1:
+            previous = layer
+            continue
+        sources = [getattr(getattr(t, "_keras_history", None), "operation", None)
+                   for t in nodes[0].arguments.keras_tensors]
+        names = [getattr(s, "name", "?") for s in sources]
+        if len(sources) > 1:
+            return (f"layer {layer.name!r} (index {i}) takes {len(sources)} inputs, from "
+                    f"{', '.join(map(repr, names))}")
+        if previous is not None and sources and sources[0] is not previous:
+            return (f"layer {layer.name!r} (index {i}) reads the output of {names[0]!r}, "
+                    f"not of the layer before it, {previous.name!r}")
+        previous = layer
+    return None

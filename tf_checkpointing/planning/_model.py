@@ -1,0 +1,270 @@
+"""``plan_model``: where the checkpoints of a whole functional model go, for a budget.
+
+The model's layer graph (:mod:`._graph`) is profiled as a chain of states,
+state ``i`` being every tensor alive before call ``i`` (so the allocator
+measures each call exactly as the chain profile measures a layer), and the
+regions are chosen by the program of :mod:`._regions`. This module is the
+glue; the plan type is :class:`~tf_checkpointing.planning._plan.ModelPlan`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Optional, Union
+
+import numpy as np
+import tensorflow as tf
+
+from tf_checkpointing.planning._chain import _expect_budget
+from tf_checkpointing.planning._graph import (
+    LayerGraph,
+    last_uses,
+    read_graph,
+    run_call,
+    tensor_keys,
+)
+from tf_checkpointing.planning._plan import ModelPlan
+from tf_checkpointing.planning._profile import (
+    ChainProfile,
+    in_fresh_thread,
+    in_xla_context,
+    profile_chain,
+)
+from tf_checkpointing.planning._regions import GraphCosts, RegionModel, nested_options, solve
+
+__all__ = ["ModelPlan", "plan_model"]
+
+_API = "plan_model"
+_HEADROOM = 0.10
+_MODES = ("auto", "eager", "graph", "xla")
+_CACHE_SIZE = 4
+_profiles: dict[Any, tuple[Any, ChainProfile, GraphCosts]] = {}
+Budget = Union[int, float, str]
+
+
+def plan_model(model: Any, inputs: Any, *, budget: Budget, mode: str = "auto") -> ModelPlan:
+    """Plans which regions of a functional model to checkpoint for a memory budget.
+
+    Reads the model's layer graph (functional models, ``keras.Sequential``, and
+    functional models nested in them as layers), profiles each layer call on
+    ``inputs`` with the device allocator (the state the layers change is put
+    back), and picks the regions of consecutive calls to run checkpointed,
+    with the least recomputation whose predicted peak fits ``budget`` (see
+    :mod:`tf_checkpointing.planning._regions` for the algorithm). The model is
+    not changed: pass the plan to ``apply_checkpointing(model, plan=plan)``.
+
+    Args:
+        model: a built functional or Sequential Keras model.
+        inputs: a batch of its inputs at the training batch size.
+        budget: bytes a training step may allocate above what is allocated
+            before it (weights, inputs), or ``"min"`` for the least memory.
+        mode: how the step runs: ``"eager"``, ``"graph"`` (``tf.function``,
+            ``Model.fit``), ``"xla"`` (``jit_compile=True``), or ``"auto"``:
+            ``"xla"`` or ``"graph"`` while such a function is traced, else
+            ``"eager"``.
+
+    Returns:
+        A :class:`ModelPlan`.
+
+    Raises:
+        ValueError: the budget is below the least any plan needs (the message
+            gives it), or the model's graph cannot be read.
+
+    Example (with ``TF_CPU_ALLOCATOR_USE_BFC=true`` set before TensorFlow is imported):
+        >>> import keras, tensorflow as tf
+        >>> from tf_checkpointing import plan_model
+        >>> x = keras.Input((32,))
+        >>> h = x
+        >>> for _ in range(6):
+        ...     h = keras.layers.Add()([h, keras.layers.Dense(32, activation="relu")(h)])
+        >>> model = keras.Model(x, keras.layers.Dense(1)(h))
+        >>> plan = plan_model(model, tf.random.normal([256, 32]), budget="min")
+        >>> plan.predicted_peak_bytes <= plan.plain_peak_bytes
+        True
+    """
+    if mode not in _MODES:
+        raise ValueError(
+            f"{_API}: argument `mode` must be one of {', '.join(map(repr, _MODES))}; "
+            f"received mode={mode!r}. Pass mode='graph' for a tf.function or Model.fit "
+            "step, mode='xla' for jit_compile=True, mode='eager' for an eager step."
+        )
+    budget_bytes = expect_model_budget(budget, _API)
+    graph = read_graph(model, _API)
+    return plan_graph(graph, inputs, budget_bytes, mode=mode, api=_API)
+
+
+def expect_model_budget(budget: Any, api: str) -> Optional[int]:
+    """``budget`` in bytes, or None for ``"min"``."""
+    if isinstance(budget, str):
+        if budget == "min":
+            return None
+        raise ValueError(
+            f"{api}: argument `budget` must be a number of bytes or 'min'; received "
+            f"budget={budget!r}. Pass e.g. budget=512 * 2**20, or budget='min' for the "
+            "least memory."
+        )
+    return _expect_budget(budget, api)
+
+
+def plan_graph(graph: LayerGraph, inputs: Any, budget: Optional[int], *, mode: str,
+               api: str) -> ModelPlan:
+    """The plan for ``graph`` (profiled on ``inputs``) and ``budget`` (None: least)."""
+    mode = step_mode(mode)
+    profile, costs = _cached_profile(graph, inputs, mode, api)
+    region_model = _calibrated(costs, profile.plain_peak_bytes)
+    nested = nested_options(region_model)
+    least = solve(region_model, None, nested=nested)
+    assert least is not None  # every call alone, checkpointed or not, is a plan
+    min_peak = int(math.ceil(least[0] / (1 - _HEADROOM)))
+    plain_peak = profile.plain_peak_bytes
+    names = tuple(call.name for call in graph.calls)
+    plan = ModelPlan(call_names=names, spans=(), mode=mode, budget_bytes=budget,
+                     predicted_peak_bytes=int(region_model.peak(())),
+                     plain_peak_bytes=plain_peak, min_budget_bytes=min(min_peak, plain_peak))
+    if budget is None:
+        spans = least[1]
+    elif budget >= plain_peak:
+        return plan
+    elif budget < plan.min_budget_bytes:
+        raise ValueError(
+            f"{api}: argument `budget` is below the least memory any plan of "
+            f"`{graph.model.name}` needs (its least predicted peak, plus {_HEADROOM:.0%} "
+            f"for the allocator): expected at least {plan.min_budget_bytes} bytes "
+            f"({plan.min_budget_bytes / 2**20:.2f} MiB), received budget={budget} "
+            f"({budget / 2**20:.2f} MiB). Raise the budget, pass budget='min', or use a "
+            "smaller batch."
+        )
+    else:
+        found = solve(region_model, budget * (1 - _HEADROOM), nested=nested)
+        spans = found[1] if found is not None else least[1]
+    return dataclasses.replace(plan, spans=spans,
+                               predicted_peak_bytes=int(region_model.peak(spans)))
+
+
+def step_mode(mode: str) -> str:
+    """``"auto"`` resolved: ``"xla"`` while a ``jit_compile=True`` function is
+    traced, ``"graph"`` while another ``tf.function`` is, else ``"eager"``."""
+    if mode != "auto":
+        return mode
+    if not tf.inside_function():
+        return "eager"
+    return "xla" if in_xla_context() else "graph"
+
+
+def _calibrated(costs: GraphCosts, plain_peak: int) -> RegionModel:
+    """The model with the plain calls' bytes scaled (within [0.3, 2]) so that
+    it predicts the measured plain peak: per-call readings of small graphs do
+    not add up to the whole step's, as the chain planner found, and an XLA
+    step's plain peak is XLA's own (see :class:`RegionModel`)."""
+    model = RegionModel(costs)
+    low, high = 0.3, 2.0
+    for _ in range(20):
+        model.rescale_plain((low + high) / 2)
+        if model.peak(()) > plain_peak:
+            high = model.plain_scale
+        else:
+            low = model.plain_scale
+    model.rescale_plain((low + high) / 2)
+    return model
+
+
+def _cached_profile(graph: LayerGraph, inputs: Any, mode: str,
+                    api: str) -> tuple[ChainProfile, GraphCosts]:
+    """The profile, measured once per model, input shapes and mode (the last
+    few are kept, with their models, so that their ids stay theirs)."""
+    shapes = tuple((tuple(leaf.shape), str(leaf.dtype)) for leaf in tf.nest.flatten(inputs)
+                   if hasattr(leaf, "shape"))
+    key = (id(graph.model), len(graph.calls), shapes, mode)
+    if key not in _profiles:
+        _profiles[key] = (graph.model, *_profile(graph, inputs, mode=mode, api=api))
+        while len(_profiles) > _CACHE_SIZE:
+            _profiles.pop(next(iter(_profiles)))
+    return _profiles[key][1], _profiles[key][2]
+
+
+def _profile(graph: LayerGraph, inputs: Any, *, mode: str,
+             api: str) -> tuple[ChainProfile, GraphCosts]:
+    """Profiles the graph as a chain of live-tensor states."""
+    keys = tensor_keys(graph)
+    last = last_uses(graph)
+    made = graph.producers()
+    n = len(graph.calls)
+    alive = [[k for k, end in zip(keys, last) if made[k] < i <= end] for i in range(n + 1)]
+    flat = graph.model_inputs(inputs)
+    position = {k: j for j, k in enumerate(graph.input_keys)}
+    start = tuple(flat[position[k]] for k in alive[0])
+    sizes: dict[Any, tuple[int, bool]] = {}
+    calls = [functools.partial(_step, graph.calls[i], alive[i], alive[i + 1], sizes)
+             for i in range(n)]
+    # The profile puts back the state it changes; under a distribution strategy
+    # (mirrored seed and BatchNorm variables) its recorder misses some, so the
+    # model's non-trainable variables are also saved and put back here.
+    state = [v for v in graph.model.non_trainable_variables]
+    saved = in_fresh_thread(lambda: [v.numpy() for v in state])
+    try:
+        profile = profile_chain(calls, start, names=[c.name for c in graph.calls], api=api,
+                                compiled=mode != "eager", same_as=_repeats(graph),
+                                xla=mode == "xla", applied=mode != "eager")
+    finally:
+        in_fresh_thread(lambda: [v.assign(value) for v, value in zip(state, saved)])
+    readers = graph.consumers()
+    layers = profile.layers
+    costs = GraphCosts(
+        kept=np.array([p.kept_bytes for p in layers], float),
+        fwd=np.array([p.forward_peak_bytes for p in layers], float),
+        fwd0=np.array([p.untaped_peak_bytes for p in layers], float),
+        bwd=np.array([p.backward_peak_bytes for p in layers], float),
+        # A compiled step applies each weight gradient when it is ready (see
+        # profile_chain); an eager one holds them all until the optimizer runs.
+        wgrad=np.array([0 if mode != "eager" else p.weight_grad_bytes for p in layers],
+                       float),
+        cost=_costs(np.array([p.seconds for p in layers], float)),
+        dx=np.array(profile.boundary_grad_bytes, float),
+        size=np.array([sizes.get(k, (0, False))[0] for k in keys], float),
+        producer=np.array([made[k] for k in keys]),
+        last=np.array(last),
+        readers=[readers.get(k, []) for k in keys],
+        floating=np.array([sizes.get(k, (0, False))[1] for k in keys]))
+    return profile, costs
+
+
+def _repeats(graph: LayerGraph) -> list[int]:
+    """For each call, the first call that computes the same thing: the same
+    layer class and configuration (but the name) on the same argument shapes."""
+    first: dict[Any, int] = {}
+    same_as = []
+    for i, call in enumerate(graph.calls):
+        try:
+            config = dict(call.layer.get_config())
+            config.pop("name", None)
+            shapes = [(tuple(t.shape), str(t.dtype)) for t in call.arguments.keras_tensors]
+            arguments = call.arguments.convert(lambda v: "T" if hasattr(v, "shape") else v)
+            key = repr((type(call.layer), sorted(config.items()), shapes, arguments,
+                        [tuple(w.shape) for w in call.layer.weights]))
+        except Exception:  # noqa: BLE001 - no config: profiled on its own
+            key = repr(("unique", i))
+        same_as.append(first.setdefault(key, i))
+    return same_as
+
+
+def _costs(seconds: np.ndarray) -> np.ndarray:
+    # A small floor keeps the program from treating a cheap layer as free.
+    return np.maximum(seconds, 0.05 * max(float(seconds.mean()), 1e-9))
+
+
+def _step(call, before, after, sizes, state):
+    env = dict(zip(before, state))
+    for key, value in env.items():
+        _note_size(sizes, key, value)
+    run_call(call, env, {"training": True})
+    for key in call.out_keys:
+        _note_size(sizes, key, env[key])
+    return tuple(env[k] for k in after)
+
+
+def _note_size(sizes: dict, key: Any, value: Any) -> None:
+    if key not in sizes and isinstance(value, tf.Tensor) and value.shape.is_fully_defined():
+        sizes[key] = (value.shape.num_elements() * value.dtype.size,
+                      value.dtype.is_floating)

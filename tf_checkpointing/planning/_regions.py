@@ -1,0 +1,302 @@
+"""Which runs of consecutive layer calls of a DAG to checkpoint, for a memory budget.
+
+The choice of algorithm. Checkmate (Jain et al. 2020) solves the general
+rematerialization problem exactly as a MILP over every (stage, node) pair:
+optimal, but minutes to hours for ResNet50-sized graphs and it needs an ILP
+solver (not a dependency we may add). Rockmate (Zhao et al. 2023) finds
+blocks in the graph, solves each with a small ILP, and chains the blocks
+with rotor; Kumar et al. (2019) decompose by treewidth, with bounds but no
+practical speed. torch.compile's min-cut partitioner (with
+``activation_memory_budget``) picks *which tensors to save* in one joint
+forward+backward graph, which our runtime (one ``custom_gradient`` per
+region) cannot express. What our runtime can run is a sequence of regions
+of consecutive calls in a topological order, each either plain or
+checkpointed, and for that family the optimum is found exactly by a dynamic
+program over cut positions, in ``O(n^2 U)`` vector steps for ``n`` calls and
+``U`` memory units (ResNet50: 177 calls, well under a second of NumPy):
+
+``best[c'][h']`` is the least recomputation to run calls ``[0, c')`` with
+``h'`` bytes (in units) held for the backward, reached from ``best[c][h]`` by
+either one plain call ``c`` (holding what its tape keeps, ``kept[c]``) or a
+checkpointed region ``[c, c')`` (holding only its tensors read after ``c'``;
+recomputing its forward). Every region must fit: ``h`` plus the region's
+forward peak and its backward peak (its replay's kept bytes, the gradients in
+flight across the cut, and in eager mode the weight gradients of later calls; a
+compiled step applies each one as it is made, as ``fit`` does) within the
+budget. The held bytes are what makes DAGs different from chains: a tensor
+is counted once, where it is made, however many region boundaries it crosses
+(a U-Net skip made in the encoder and read by the decoder is held once, not
+at every cut in between), so a graph without articulation points is planned
+like any other. The same program with ``max`` in place of ``+`` gives the
+least peak of any plan (``budget="min"``).
+
+Checkpoints nest one level, as in rotor (Beaumont et al. 2019): a region's
+replay may itself checkpoint sub-regions, which lowers what the replay holds
+(every call of a replay, its sub-regions' plain calls included, keeps what its
+per-call profile measured). For each
+region of up to 24 calls, the same program run from its start gives the least
+peak of its replay with sub-regions (one run per start gives every end), and
+the outer program may take the region flat or nested (paying the sub-regions'
+recomputation too).
+
+All bytes come from the allocator (:mod:`tf_checkpointing.planning._profile`,
+run on the graph as a chain of "live tensor" states), and the per-call bytes
+are scaled to the measured plain step, as the chain planner does.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any, Optional
+
+import numpy as np
+
+__all__: list[str] = []
+
+_UNITS = 400
+
+
+@dataclasses.dataclass
+class GraphCosts:
+    """The numbers the program needs, per call ``i`` (``n`` calls) and per tensor.
+
+    ``kept, fwd, fwd0, bwd, wgrad, cost``: per call (from the profile).
+    ``dx``: ``n + 1`` gradient bytes of the tensors alive at each cut.
+    ``size, producer, last, readers``: per tensor: bytes, the call making it
+    (-1 for a model input), the last call reading it (``n`` for an output),
+    and whether it is floating (``floating``).
+    """
+
+    kept: np.ndarray
+    fwd: np.ndarray
+    fwd0: np.ndarray
+    bwd: np.ndarray
+    wgrad: np.ndarray
+    cost: np.ndarray
+    dx: np.ndarray
+    size: np.ndarray
+    producer: np.ndarray
+    last: np.ndarray
+    readers: list
+    floating: np.ndarray
+
+    @property
+    def n(self) -> int:
+        return len(self.kept)
+
+
+class RegionModel:
+    """Tables of the memory model over all ``(start, stop)`` pairs of cuts.
+
+    ``plain_scale`` multiplies the per-call bytes of calls run plainly (not
+    those of replays): a compiled step frees the intermediates of plain calls
+    sooner than their per-call graphs do, which a factor fitted to the
+    measured plain step captures (0.57 on ResNet50); a replay, one tape
+    inside a custom gradient, keeps what the per-call graphs measured (with
+    the raw numbers the ResNet50 least plan is predicted at 175 MiB, measured
+    176 MiB).
+    """
+
+    def __init__(self, costs: GraphCosts, plain_scale: float = 1.0) -> None:
+        n = self.n = costs.n
+        self.costs = costs
+        self.kept_prefix = np.concatenate([[0.0], np.cumsum(costs.kept)])
+        self.cost_prefix = np.concatenate([[0.0], np.cumsum(costs.cost)])
+        w_suffix = np.concatenate([np.cumsum(costs.wgrad[::-1])[::-1], [0.0]])
+        # by_made_alive[p + 1, i]: bytes made by call p (row 0: inputs) alive at cut i.
+        by_made_alive = np.zeros((n + 1, n + 1))
+        for size, p, last in zip(costs.size, costs.producer, costs.last):
+            by_made_alive[p + 1, p + 1:last + 1] += size
+        made_prefix = np.vstack([np.zeros((1, n + 1)), np.cumsum(by_made_alive, axis=0)])
+        # live[a, i]: bytes made by calls [a, i) still read at or after i.
+        rows = np.arange(n + 1)
+        self.live = made_prefix[rows[None, :] + 1, rows[None, :]] - made_prefix[rows[:, None] + 1,
+                                                                                 rows[None, :]]
+        # enter[a, c]: floating bytes made before a and read in [a, c) (the
+        # replay's fresh copies of its inputs).
+        self.enter = np.zeros((n + 1, n + 1))
+        for t, reads in enumerate(costs.readers):
+            if not costs.floating[t] or not reads:
+                continue
+            reads, at = sorted(reads), 0
+            for a in range(costs.producer[t] + 1, reads[-1] + 1):
+                while reads[at] < a:
+                    at += 1
+                self.enter[a, reads[at] + 1:] += costs.size[t]
+        self.fwd_ckpt = np.full((n + 1, n + 1), -np.inf)
+        self.bwd_region = np.full((n + 1, n + 1), -np.inf)
+        for a in range(n):
+            k = np.arange(a, n)
+            ckpt = np.maximum.accumulate(self.live[a, k] + costs.fwd0[k])
+            back = np.maximum.accumulate(self.kept_prefix[k + 1] - self.kept_prefix[a]
+                                         + costs.dx[k + 1] + w_suffix[k + 1] + costs.bwd[k])
+            self.fwd_ckpt[a, a + 1:] = ckpt
+            self.bwd_region[a, a + 1:] = back
+        self._w_suffix, self.plain_scale = w_suffix, 1.0
+        self.rescale_plain(plain_scale)
+
+    def rescale_plain(self, scale: float) -> None:
+        """Sets ``plain_scale``: the need and held bytes of each plain call."""
+        costs, k = self.costs, np.arange(self.n)
+        self.plain_scale = scale
+        self.plain_held = scale * costs.kept
+        self.plain_need = np.maximum(scale * costs.fwd, scale * (costs.kept + costs.bwd)
+                                     + costs.dx[k + 1] + self._w_suffix[k + 1])
+
+    def in_replay(self) -> RegionModel:
+        """The model of calls run inside a replay: every call keeps what its
+        per-call profile measured (no plain-step scale)."""
+        view = copy.copy(self)
+        view.rescale_plain(1.0)
+        return view
+
+    def need(self, a: int, c: int, checkpointed: bool) -> float:
+        """Peak of running ``[a, c)`` (forward and backward) above what is held before."""
+        if checkpointed:
+            return max(self.fwd_ckpt[a, c], self.bwd_region[a, c] + self.enter[a, c])
+        assert c == a + 1  # plain runs are planned call by call
+        return float(self.plain_need[a])
+
+    def held(self, a: int, c: int, checkpointed: bool) -> float:
+        """Bytes ``[a, c)`` leaves held for the backward."""
+        if checkpointed:
+            return float(self.live[a, c])
+        return float(self.plain_held[a:c].sum())
+
+    def peak(self, spans: tuple = (), start: int = 0, stop: Optional[int] = None) -> float:
+        """The peak the model predicts for running ``[start, stop)`` with the
+        checkpointed ``spans`` (``(start, stop, inner)`` triples)."""
+        held, peak = 0.0, 0.0
+        for a, c, checkpointed, inner in pieces(start, self.n if stop is None else stop,
+                                                spans):
+            need = self.need(a, c, checkpointed)
+            if inner:
+                replay = self.in_replay().peak(inner, a, c)
+                need = max(self.fwd_ckpt[a, c], replay + self.enter[a, c])
+            peak = max(peak, held + need)
+            held += self.held(a, c, checkpointed)
+        return peak
+
+
+def pieces(start: int, stop: int, spans: tuple) -> list[tuple[int, int, bool, tuple]]:
+    """The plan as a cover of ``[start, stop)``: checkpointed spans (with their
+    inner spans), plain calls between."""
+    out: list[Any] = []
+    at = start
+    for a, c, inner in spans:
+        out.extend((k, k + 1, False, ()) for k in range(at, a))
+        out.append((a, c, True, inner))
+        at = c
+    out.extend((k, k + 1, False, ()) for k in range(at, stop))
+    return out
+
+
+Span = tuple  # (start, stop, inner spans): a checkpointed region, nested checkpoints inside
+
+
+def solve(model: RegionModel, limit: Optional[float], *, start: int = 0,
+          stop: Optional[int] = None, max_len: Optional[int] = None,
+          nested: Optional[dict] = None, units: int = _UNITS,
+          unit: Optional[float] = None) -> Optional[tuple[float, tuple]]:
+    """With ``limit``: the least recomputation whose modelled peak fits it, as
+    ``(work, spans)``, or None. Without: the least peak (ties: least work), as
+    ``(peak, spans)``. ``spans`` are ``(start, stop, inner)`` triples.
+
+    ``[start, stop)`` restricts the calls (a replay's, for nesting), ``max_len``
+    the length of a region, and ``nested[(a, c)] = (need, work, inner)`` offers
+    each region also with checkpoints inside its replay."""
+    stop = model.n if stop is None else stop
+    unit = unit or max(limit if limit is not None else model.peak(()), 1.0) / units
+    tables = _tables(model, limit, start, stop, max_len, nested, units, unit)
+    return _best(tables, limit, start, stop, nested)
+
+
+def _tables(model, limit, start, stop, max_len, nested, units, unit):
+    """The program's tables from cut ``start``: (value, work, came_from)."""
+    size = units + 1
+    # value: least work (with a limit) or least peak so far, at (cut, held units).
+    value = np.full((stop + 1, size), np.inf)
+    work = np.full((stop + 1, size), np.inf)
+    came_from = np.full((stop + 1, size, 3), -1, np.int32)  # (cut, held units, kind)
+    value[start, 0] = work[start, 0] = 0.0
+    held_bytes = np.arange(size) * unit
+    for a in range(start, stop):
+        if not np.isfinite(value[a]).any():
+            continue
+        last = stop if max_len is None else min(stop, a + max_len)
+        for c in range(a + 1, last + 1):
+            for kind, need, extra in _options(model, a, c, nested):
+                add = int(np.ceil(model.held(a, c, kind > 0) / unit - 1e-9))
+                if add >= size:
+                    continue
+                if limit is None:
+                    new_value = np.maximum(value[a], held_bytes + need)
+                else:
+                    new_value = np.where(held_bytes + need <= limit, value[a] + extra, np.inf)
+                new_value, new_work = new_value[:size - add], (work[a] + extra)[:size - add]
+                old_value, old_work = value[c, add:], work[c, add:]
+                better = np.isfinite(new_value) & (
+                    (new_value < old_value * (1 - 1e-9))
+                    | ((new_value <= old_value * (1 + 1e-9)) & (new_work < old_work)))
+                idx = np.nonzero(better)[0]
+                if idx.size:
+                    value[c, add + idx] = new_value[idx]
+                    work[c, add + idx] = new_work[idx]
+                    came_from[c, add + idx] = np.stack(
+                        [np.full_like(idx, a), idx, np.full_like(idx, kind)], 1)
+    return value, work, came_from
+
+
+def _best(tables, limit, start, stop, nested) -> Optional[tuple[float, tuple]]:
+    """The best plan of ``[start, stop)`` in ``tables``, as (value, spans)."""
+    value, work, came_from = tables
+    if not np.isfinite(value[stop]).any():
+        return None
+    low = np.min(value[stop])
+    ties = np.nonzero(value[stop] <= low * (1 + 1e-9))[0]
+    h = int(ties[np.argmin(work[stop, ties])])
+    result = float(value[stop, h]) if limit is None else float(work[stop, h])
+    spans, c = [], stop
+    while c > start:
+        a, h, kind = (int(v) for v in came_from[c, h])
+        if kind:
+            spans.append((a, c, nested[(a, c)][2] if kind == 2 else ()))
+        c = a
+    return result, tuple(reversed(spans))
+
+
+def _options(model: RegionModel, a: int, c: int, nested: Optional[dict]):
+    """(kind, need, extra work) of running ``[a, c)``: 0 plain (one call),
+    1 checkpointed, 2 checkpointed with checkpoints inside its replay."""
+    if c == a + 1:
+        yield 0, model.need(a, c, False), 0.0
+    work = model.cost_prefix[c] - model.cost_prefix[a]
+    yield 1, model.need(a, c, True), work
+    if nested is not None and (a, c) in nested:
+        need, inner_work, _ = nested[(a, c)]
+        yield 2, need, work + inner_work
+
+
+def nested_options(model: RegionModel, max_len: int = 24, units: int = 40) -> dict:
+    """For each region ``[a, c)`` of at most ``max_len`` calls, the least peak of
+    its replay when the replay checkpoints regions of its own (one level), as
+    ``(need, extra work, inner spans)``; only where that is below the flat need."""
+    options: dict = {}
+    replay = model.in_replay()  # the sub-regions' plain calls run inside the replay
+    unit = max(float(np.nanmax(np.where(np.isfinite(model.bwd_region), model.bwd_region, 0))),
+               1.0) / units
+    for a in range(model.n):
+        stop = min(model.n, a + max_len)
+        tables = _tables(replay, None, a, stop, None, None, units, unit)
+        for c in range(a + 3, stop + 1):
+            flat = model.need(a, c, True)
+            inner = _best(tables, None, a, c, None)
+            if inner is None or not inner[1]:
+                continue
+            need = max(model.fwd_ckpt[a, c], inner[0] + model.enter[a, c])
+            if need < flat * 0.97:
+                inner_work = sum(model.cost_prefix[e] - model.cost_prefix[s]
+                                 for s, e, _ in inner[1])
+                options[(a, c)] = (need, inner_work, inner[1])
+    return options
