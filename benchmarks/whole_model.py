@@ -1,6 +1,7 @@
-"""Benchmark (issue 13): whole-model checkpointing for a memory budget.
+"""Benchmark: whole-model checkpointing for a memory budget.
 
-    python benchmarks/whole_model.py            # all models, writes results/whole_model.*
+    python benchmarks/whole_model.py            # all models, writes results/latest/whole_model.*
+    python benchmarks/whole_model.py --update-results   # the committed results/whole_model.*
     python benchmarks/whole_model.py --tiny     # small shapes, for a smoke test
 
 Each model runs in a subprocess of its own (a fresh allocator), as one
@@ -26,7 +27,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).resolve().parent / "results"
+_REPO = Path(__file__).resolve().parents[1]
+if str(_REPO) not in sys.path:
+    sys.path.insert(0, str(_REPO))
+
+# Sets TF_CPU_ALLOCATOR_USE_BFC, TF_CPP_MIN_LOG_LEVEL and TF_ENABLE_ONEDNN_OPTS (peaks that
+# do not depend on the host CPU), which the per-model subprocesses inherit.
+from benchmarks import _cli  # noqa: E402
+
 MIB = 2**20
 MODELS = ("resnet50", "unet", "mobilenetv2", "gpt2")
 
@@ -217,7 +225,7 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--budgets", type=int, default=3, help="budgets between min and plain")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--out", default=str(RESULTS / "whole_model"))
+    _cli.add_output_arguments(parser)
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(worker(args.worker, args.tiny, args.budgets)))
@@ -234,7 +242,7 @@ def main() -> None:
         rows.extend(json.loads(done.stdout.strip().splitlines()[-1]))
     from benchmarks.whole_model_report import write  # noqa: PLC0415
 
-    write(rows, Path(args.out))
+    write(rows, _cli.output_dir(args) / "whole_model")
 
 
 if __name__ == "__main__":

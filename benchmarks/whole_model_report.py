@@ -11,6 +11,7 @@ Example:
 from __future__ import annotations
 
 import json
+import os
 import platform
 from pathlib import Path
 from typing import Any, Optional
@@ -104,9 +105,10 @@ def write(rows: list[dict], out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
     checks = targets(rows)
-    text = [f"# Whole-model checkpointing (issue 13)\n\nTensorFlow {tf.__version__}, "
-            f"{platform.machine()}, CPU, 2 cores shared with other jobs (loaded machine: "
-            "step times are same-run ratios; absolute times are not meaningful).\n",
+    onednn = os.environ.get("TF_ENABLE_ONEDNN_OPTS", "default")
+    text = [f"# Whole-model checkpointing\n\nTensorFlow {tf.__version__}, "
+            f"{platform.machine()}, CPU, oneDNN {onednn}, 2 cores (step times are same-run "
+            "ratios; absolute times are not meaningful).\n",
             table(rows), "\n## Targets\n", "| target | measured | met |", "| --- | --- | --- |"]
     text += [f"| {t} | {m} | {'PASS' if ok else 'FAIL'} |" for t, m, ok in checks]
     out.with_suffix(".md").write_text("\n".join(text) + "\n")

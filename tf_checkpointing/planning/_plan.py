@@ -147,7 +147,24 @@ class ModelPlan:
         predicted_peak_bytes: the step's peak above what is allocated before it,
             as the model predicts it.
         plain_peak_bytes: measured peak of the plain step.
-        min_budget_bytes: the least peak of any plan (the model's prediction).
+        min_budget_bytes: the least budget accepted: the least predicted peak of any
+            plan, plus 5% headroom for the allocator.
+
+    Example (``TF_CPU_ALLOCATOR_USE_BFC=true`` set before TensorFlow is imported):
+        >>> import keras, tensorflow as tf
+        >>> from tf_checkpointing import apply_checkpointing, plan_model
+        >>> x = keras.Input((32,))
+        >>> h = x
+        >>> for _ in range(4):
+        ...     h = keras.layers.Add()([h, keras.layers.Dense(32, activation="relu")(h)])
+        >>> model = keras.Model(x, keras.layers.Dense(1)(h))
+        >>> plan = plan_model(model, tf.random.normal([256, 32]), budget="min")
+        >>> len(plan.regions) >= 1  # lists of layer names; a nested list is a region inside
+        True
+        >>> plan.predicted_peak_bytes < plan.plain_peak_bytes
+        True
+        >>> apply_checkpointing(model, plan=plan) == [model]
+        True
     """
 
     call_names: tuple[str, ...]
@@ -186,7 +203,7 @@ class ModelPlan:
         budget = "min" if self.budget_bytes is None else mib(self.budget_bytes)
         lines = [f"ModelPlan ({self.mode}): {len(self.call_names)} layer calls, budget "
                  f"{budget} -> predicted peak {mib(self.predicted_peak_bytes)} (plain "
-                 f"{mib(self.plain_peak_bytes)}, minimum {mib(self.min_budget_bytes)}); "
+                 f"{mib(self.plain_peak_bytes)}, least budget {mib(self.min_budget_bytes)}); "
                  f"{len(self.spans)} checkpointed regions, {self.extra_forward_layers} "
                  "extra layer forwards"]
         self._describe(self.spans, "  ", lines)
