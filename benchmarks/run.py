@@ -46,21 +46,24 @@ with _cli.quiet_start_up():
 DEFAULT_MODES: dict[str, dict[str, tuple[str, ...]]] = {
     "tiny": {"mlp": ("eager", "function", "xla"), "gpt2": ("function",),
              "unet": ("function",)},
-    "quick": {"mlp": ("eager", "function"), "gpt2": ("function",), "unet": ("function",)},
+    # (eager mode's peaks and times per layer: benchmarks/core.py, on the same Dense chain)
+    "quick": {"mlp": ("function",), "gpt2": ("function",), "unet": ("function",)},
     "full": {m: harness.MODES for m in models.MODELS},
 }
 # keras.remat is tf.recompute_grad on the TensorFlow backend (keras/src/backend/
 # tensorflow/core.py: `return tf.recompute_grad(f)`): same numbers, another 15 s of
 # tracing for the decoder, so --quick leaves it to --full and --strategies.
-# Of the save policies, --quick runs dots_saveable (on every model); the others (the
-# named ones keep something only in the decoder) run with --strategies, as in
+# The save policies run with --full and --strategies (results: benchmarks/results/
+# policies_*), as in
 # `python benchmarks/run.py --models gpt2 --modes function,xla --name policies
 # --strategies plain,checkpointable,dots_saveable,dots_no_batch,qkv_mlp_out,attn_mlp_out`.
 DEFAULT_STRATEGIES = {
     # policy_plan plans chains with one tensor state (not the U-Net): --strategies.
     "tiny": tuple(s for s in STRATEGIES if s != "policy_plan"),
-    "quick": tuple(s for s in STRATEGIES if s != "keras_remat"
-                   and (s not in POLICIES or s == "dots_saveable") and s != "policy_plan"),
+    # sqrt segments (a fixed schedule, between per-block and the budget plan) run with
+    # --full and --strategies: the quick run stays under two minutes on 2 cores.
+    "quick": tuple(s for s in STRATEGIES if s not in ("keras_remat", "sqrt_segments")
+                   and s not in POLICIES and s != "policy_plan"),
     "full": tuple(STRATEGIES),
 }
 DEFAULT_REPEATS = {"tiny": 3, "quick": 5, "full": 7}
