@@ -78,3 +78,19 @@ def test_total_agrees_with_the_allocator(policy, checkpoint):
     listed = _activations(saved_residuals(decoder, x))
     held = held_bytes(decoder, x)
     assert abs(held - listed) <= 0.15 * listed, (held, listed)
+
+
+def test_every_kept_argument_is_named_by_its_position():
+    """Arguments after the first are found by identity (comparing graph tensors with
+    == would build an op in a graph that is gone)."""
+
+    @checkpointable(checkpoint=True, policy=policies.dots_saveable)
+    def mlp(x, w1, w2):
+        return tf.nn.gelu(x @ w1) @ w2
+
+    x, w1, w2 = tf.ones([8, 64]), tf.ones([64, 256]) * 0.01, tf.ones([256, 64]) * 0.01
+    kept = saved_residuals(mlp, x, w1, w2)
+    assert [r.producer for r in kept if r.kind == "argument"] == [
+        "argument 0", "argument 1", "argument 2"]
+    assert [(r.producer, r.why) for r in kept if r.kind == "activation"] == [
+        ("MatMul matmul", "kept by the save policy")]

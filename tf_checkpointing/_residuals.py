@@ -206,8 +206,10 @@ def _record(graph, tensor, readers, inputs, num_arguments, variable_names,
             label) -> Residual:
     op = tensor.op
     kind = "activation"
-    if op.type == "Placeholder" and tensor in inputs and inputs.index(tensor) < num_arguments:
-        producer, kind = f"argument {inputs.index(tensor)}", "argument"
+    # By identity: `in` and `index` would compare tensors with ==, an op of the graph.
+    position = next((i for i, t in enumerate(inputs) if t is tensor), None)
+    if op.type == "Placeholder" and position is not None and position < num_arguments:
+        producer, kind = f"argument {position}", "argument"
     elif op.type == "ReadVariableOp":
         handle = op.inputs[0].op.name
         producer, kind = f"variable {variable_names.get(handle, handle)}", "variable"
