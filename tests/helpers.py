@@ -96,3 +96,24 @@ class ResidualBlock(keras.layers.Layer):
         self.record(h)
         h = self.norm(self.drop(h, training=training), training=training)
         return self.outer(h) + x
+
+
+def ran_in_fresh_process(request) -> bool:
+    """Runs the calling test again in a process of its own and returns True there
+    (the caller then returns); returns False inside that process. For tests that read
+    the allocator's bytes in use: in a long suite, what earlier tests left cached
+    (traced functions, Keras state) shifts them."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if os.environ.get("TF_CHECKPOINTING_FRESH_TEST") == request.node.nodeid:
+        return False
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TF_CHECKPOINTING_FRESH_TEST=request.node.nodeid)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           request.node.nodeid], cwd=repo, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    return True

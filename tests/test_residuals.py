@@ -2,6 +2,7 @@
 
 import pytest
 import tensorflow as tf
+from helpers import ran_in_fresh_process
 
 from tf_checkpointing import (
     checkpoint_name,
@@ -62,7 +63,9 @@ def test_print_saved_residuals_prints_a_table_with_a_total(capsys):
     (None, False), (None, True), (policies.dots_saveable, True),
     (policies.dots_with_no_batch_dims_saveable, True),
 ])
-def test_total_agrees_with_the_allocator(policy, checkpoint):
+def test_total_agrees_with_the_allocator(policy, checkpoint, request):
+    if ran_in_fresh_process(request):
+        return
     from benchmarks import models
 
     config = dict(blocks=3, dim=64, heads=2, seq=32, vocab=64, batch=4, budget_mib=4)
