@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from conftest import compile_step
-from helpers import Counter, assert_all_close
+from helpers import Counter, assert_all_close, ran_in_fresh_process
 
 from tf_checkpointing._sequential import (
     CheckpointedSequential,
@@ -190,12 +190,19 @@ def _step(runner, variables):
     return step
 
 
-def test_sqrt_segments_need_at_most_0_6x_the_memory_of_checkpointing_every_layer():
+def test_sqrt_segments_need_at_most_0_6x_the_memory_of_checkpointing_every_layer(request):
+    # 36 layers: sqrt segments keep 6 boundaries plus one 6-layer segment's
+    # activations, about a third of what plain backprop or per-layer checkpointing
+    # keeps (each checkpointed layer keeps its input, which is what plain keeps). The
+    # bound leaves room for the allocator's rounding; the allocator's bytes are read
+    # in a process of its own, as earlier tests' cached state shifts them.
+    if ran_in_fresh_process(request):
+        return
     from tf_checkpointing import checkpointable
 
     keras.utils.set_random_seed(0)
-    layers = [keras.layers.Dense(64, activation="relu") for _ in range(16)]
-    x = tf.random.normal([1024, 64])  # activations 256 KiB each, kernels 16 KiB
+    layers = [keras.layers.Dense(64, activation="relu") for _ in range(36)]
+    x = tf.random.normal([512, 64])  # activations 128 KiB each, kernels 16 KiB
     _plain(layers)(x)
     variables = _variables(layers)
     each = [checkpointable(layer) for layer in layers]
@@ -208,6 +215,7 @@ def test_sqrt_segments_need_at_most_0_6x_the_memory_of_checkpointing_every_layer
     plain = _peak(_step(_plain(layers), variables), x)
     every = _peak(_step(every_layer, variables), x)
     sqrt = _peak(_step(lambda x: checkpoint_sequential(layers, x), variables), x)
+    print(f"sqrt {sqrt / MIB:.2f} MiB, every layer {every / MIB:.2f}, plain {plain / MIB:.2f}")
     assert sqrt <= 0.6 * every, (sqrt / MIB, every / MIB)
     assert sqrt <= 0.6 * plain, (sqrt / MIB, plain / MIB)
 

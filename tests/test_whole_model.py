@@ -257,3 +257,45 @@ def test_nested_regions_equal_plain(mode):
     # count0 and count1 replay twice (outer and inner replay), count2 once.
     replays = [model.get_layer(f"count{i}").replays for i in range(3)]
     assert replays[0] == replays[1] == 2 * replays[2] > 0, replays
+
+
+@pytest.mark.parametrize("name", ["unet", "two_io"])
+def test_region_outputs_that_feed_later_ones_inside_the_model_are_not_flagged(name):
+    # A U-Net region returns a skip tensor and what it computed from it; only the
+    # model's own later layers read them, and their gradients reach the region
+    # exactly, so neither the check mode nor the warning may object.
+    build, make_inputs = MODELS[name]
+    keras.utils.set_random_seed(0)
+    model, inputs = build(), make_inputs()
+    x = inputs if len(inputs) > 1 else inputs[0]
+    model(x)
+    before = [v.numpy() for v in model.variables]
+    plain = _run(model, inputs, "function")
+    for variable, value in zip(model.variables, before):
+        variable.assign(value)
+    plan = tc.plan_model(model, x, budget="min", mode="eager")
+    tc.apply_checkpointing(model, plan=plan, check=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tc.ChainedOutputWarning)
+        ours = _run(model, inputs, "function")
+    assert_all_close(ours[1], plain[1], atol=1e-5)
+
+
+def test_a_model_output_that_feeds_another_in_one_region_is_flagged():
+    # The user's tape can ask for the gradient with respect to a model output:
+    # one that a region also uses for another output is refused in the check mode.
+    keras.utils.set_random_seed(0)
+    x = keras.Input((6,))
+    h = keras.layers.Dense(32, activation="tanh", name="h")(x)
+    y = keras.layers.Dense(32, activation="tanh", name="y1")(h)
+    y = keras.layers.Dense(2, name="y2")(keras.layers.Dense(32, activation="tanh")(y))
+    model = keras.Model(x, [h, y])
+    inputs = tf.random.stateless_normal([64, 6], [0, 6])
+    model(inputs)
+    plan = tc.plan_model(model, inputs, budget="min", mode="eager")
+    assert plan.call_names[:3] == ("h", "y1", plan.call_names[2]), plan.call_names
+    plan = dataclasses.replace(plan, spans=((0, 3, ()),))  # h, y1 and the next Dense
+    tc.apply_checkpointing(model, plan=plan, check=True)
+    with pytest.raises(ValueError, match=r"output\(s\) \[0\].*would miss the path"):
+        grads_of(lambda x: model(x, training=True), [inputs], model.trainable_variables,
+                 "function")

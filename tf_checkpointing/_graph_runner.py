@@ -133,8 +133,15 @@ class GraphRunner:
             return out, [get_keras_mask(v) for v in out]
 
         region.__name__ = region.__qualname__ = f"region_{calls[0].name}_to_{calls[-1].name}"
+        # Outputs that are not the model's own are read only by the later layers
+        # of this graph, whose gradients reach the region exactly; no user's tape
+        # can ask for them, so their feeding other outputs (a U-Net's skip and its
+        # pooled copy) is not worth a warning. Each key is one tensor: leaf k.
+        model_outputs = set(self.graph.output_keys)
+        private = [k for k, key in enumerate(leaving) if key not in model_outputs]
         out, out_masks = checkpointed_call(region, (values, masks), {},
-                                           force_seed=self.force_seed, check=self.check)
+                                           force_seed=self.force_seed, check=self.check,
+                                           private_outputs=private)
         for key, value, m in zip(leaving, out, out_masks):
             if m is not None:
                 set_keras_mask(value, m)

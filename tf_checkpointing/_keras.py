@@ -102,13 +102,14 @@ def apply_checkpointing(
     Example:
         >>> import keras
         >>> from tf_checkpointing import apply_checkpointing
-        >>> model = keras.Sequential([
-        ...     keras.Input((8,)),
-        ...     keras.layers.Dense(16, activation="relu", name="hidden"),
-        ...     keras.layers.Dense(1, name="head"),
-        ... ])
-        >>> [layer.name for layer in apply_checkpointing(model, ["hidden"])]
-        ['hidden']
+        >>> block = keras.Sequential([  # wide inside, narrow at its input
+        ...     keras.layers.Dense(64, activation="relu"),
+        ...     keras.layers.Dense(64, activation="relu"),
+        ...     keras.layers.Dense(8),
+        ... ], name="block")
+        >>> model = keras.Sequential([keras.Input((8,)), block, keras.layers.Dense(1)])
+        >>> [layer.name for layer in apply_checkpointing(model, ["block"])]
+        ['block']
     """
     if not isinstance(model, keras.layers.Layer):
         raise TypeError(

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from typing import Any, Callable, Optional
 
 import tensorflow as tf
@@ -71,6 +71,7 @@ def checkpointed_call(
     force_seed: bool = False,
     check: Any = False,
     policy: Any = None,
+    private_outputs: Collection[int] = (),
 ) -> Any:
     """Calls ``fn(*args, **kwargs)`` keeping only its inputs for backprop.
 
@@ -84,6 +85,9 @@ def checkpointed_call(
             dtypes with the forward's) or ``"values"`` (compare values too).
         policy: a save policy (``tf_checkpointing.policies``): also keep the
             outputs it picks and reuse them in the replay (``_saving``).
+        private_outputs: positions (in flattened order) of outputs only the caller's
+            own ops read, never a user's tape, so they may feed other outputs
+            without a warning (the regions of a whole-model plan).
 
     Returns:
         What ``fn`` returns, with gradients defined by replaying ``fn``.
@@ -107,8 +111,9 @@ def checkpointed_call(
         refuse_opaque_outputs(replay.name, out.leaves)
         replay.note_outputs(out, inputs)
         consumed, replay.consumed = replay.consumed, None
-        refuse_chained_outputs(replay.name, out.leaves, replay.out_positions, consumed,
-                               strict=bool(replay.check))
+        refuse_chained_outputs(replay.name, out.leaves,
+                               [i for i in replay.out_positions if i not in private_outputs],
+                               consumed, strict=bool(replay.check))
         returned["out"] = out
         outputs = tuple(out.leaves[i] for i in replay.out_positions)
         # A graph-mode custom gradient needs at least one tensor to pass through

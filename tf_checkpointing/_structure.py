@@ -173,13 +173,12 @@ def refuse_chained_outputs(name: str, leaves: Sequence[Any], positions: Sequence
     consumed by an op of the call, i.e. feeds its other outputs."""
     if not consumed:
         return
-    chained = [k for k, i in enumerate(positions)
-               if _alive(consumed.get(id(leaves[i]))) is leaves[i]]
+    chained = [i for i in positions if _alive(consumed.get(id(leaves[i]))) is leaves[i]]
     if not chained or (not strict and name in _warned_chained):
         return
     message = (
-        f"checkpointable: `{name}` returns differentiable output(s) {chained} (in flattened "
-        "order) that it also uses to compute its other outputs. For the outer tape the "
+        f"checkpointable: `{name}` returns differentiable output(s) {chained} (positions in "
+        "the flattened output) that it also uses to compute its other outputs. For the outer tape the "
         "outputs of a checkpointed call are independent, so tape.gradient(loss, output) "
         "for such an output would miss the path through the outputs computed from it "
         "(gradients with respect to the call's inputs and variables are exact). Return "
