@@ -178,9 +178,10 @@ def refuse_chained_outputs(name: str, leaves: Sequence[Any], positions: Sequence
         return
     message = (
         f"checkpointable: `{name}` returns differentiable output(s) {chained} (positions in "
-        "the flattened output) that it also uses to compute its other outputs. For the outer tape the "
-        "outputs of a checkpointed call are independent, so tape.gradient(loss, output) "
-        "for such an output would miss the path through the outputs computed from it "
+        "the flattened output) that it also uses to compute its other outputs. For the "
+        "outer tape the outputs of a checkpointed call are independent, so "
+        "tape.gradient(loss, output) for such an output would miss the path through the "
+        "outputs computed from it "
         "(gradients with respect to the call's inputs and variables are exact). Return "
         "only the final outputs, split the block into two checkpointed calls (the second "
         "taking that output as an argument), or call it with _checkpoint=False. If you "
