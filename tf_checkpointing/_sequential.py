@@ -26,9 +26,10 @@ from typing import Any, Optional, Union, cast
 import keras
 import tensorflow as tf
 
-from tf_checkpointing import policies
+from tf_checkpointing import policies as _policies
 from tf_checkpointing._recompute import checkpointed_call, needs_checkpoint
 from tf_checkpointing.planning._chain import _expect_budget, cached_plan
+from tf_checkpointing.planning._choices import expect_policies
 from tf_checkpointing.planning._plan import Segment, SequentialPlan, even_plan
 from tf_checkpointing.planning._profile import route_keywords, validate_layers
 
@@ -46,7 +47,8 @@ def checkpoint_sequential(
     *,
     segments: Segments = "sqrt",
     budget: Optional[float] = None,
-    policy: Optional[policies.Policy] = None,
+    policy: Optional[_policies.Policy] = None,
+    policies: Any = None,
     **kwargs: Any,
 ) -> Any:
     """Runs ``layers`` one after another, checkpointing segments of them.
@@ -58,7 +60,8 @@ def checkpoint_sequential(
     away, saving nothing). With ``budget`` the chain is profiled once, on the
     first call for these shapes, and the schedule with the least recomputation
     within the budget is used (see :func:`plan_sequential`); called while a
-    ``tf.function`` is traced, it plans for what a graph keeps.
+    ``tf.function`` is traced, it plans for what a graph keeps. With
+    ``policies`` as well, the plan also chooses per layer among save policies.
 
     Args:
         layers: the chain: Keras layers or callables; the first receives
@@ -70,6 +73,10 @@ def checkpoint_sequential(
             before it; overrides ``segments``.
         policy: a save policy (:mod:`tf_checkpointing.policies`) for every
             checkpointed segment: also keep what it picks, replay the rest.
+        policies: with ``budget``, the save policies the plan may choose per
+            layer (see :func:`plan_sequential`): ``"auto"`` for
+            ``dots_saveable`` and ``dots_with_no_batch_dims_saveable``, or a
+            list of policies (``"auto"`` among them stands for those two).
         **kwargs: keywords for the layers, e.g. ``training=True``; each layer
             gets those its call accepts (``Dropout`` gets ``training``,
             ``LayerNormalization`` and ``tf.nn.relu`` do not). Tensors among them
@@ -90,7 +97,8 @@ def checkpoint_sequential(
         18
     """
     layers = validate_layers(layers, _API)
-    policy = policies.resolve(policy)
+    candidates = _expect_choice(policy, policies, budget, _API)
+    policy = _policies.resolve(policy)
     routed = route_keywords(layers, kwargs, _API)
     if budget is None:
         count = expect_segments(segments, len(layers), _API)
@@ -107,8 +115,27 @@ def checkpoint_sequential(
     if budget is None:
         plan = even_plan(len(layers), count)
     else:
-        plan = cached_plan(layers, inputs, budget, kwargs, routed, api=_API)
+        plan = cached_plan(layers, inputs, budget, kwargs, routed, api=_API,
+                           policies=candidates)
     return run_plan(layers, plan, inputs, kwargs, routed, policy=policy)
+
+
+def _expect_choice(policy: Any, candidates: Any, budget: Any, api: str) -> tuple[Any, ...]:
+    """``policies=`` validated: it needs a budget, and excludes ``policy=``."""
+    chosen = expect_policies(candidates, api)
+    if candidates is not None and budget is None:
+        raise ValueError(
+            f"{api}: argument `policies` chooses a policy per layer for a memory budget, "
+            f"but no budget was given; received policies={candidates!r} and budget=None. "
+            "Pass budget=... (bytes), or policy=... for one policy on every segment."
+        )
+    if candidates is not None and policy is not None:
+        raise ValueError(
+            f"{api}: pass either `policy` (one policy for every checkpointed segment) or "
+            f"`policies` (the planner chooses per layer), not both; received "
+            f"policy={policy!r} and policies={candidates!r}. Drop one of them."
+        )
+    return chosen
 
 
 def expect_segments(segments: Any, num_layers: int, api: str) -> int:
@@ -149,11 +176,13 @@ def _run_layers(layers, routed, start, stop, x):
 
 def _run_pieces(layers, routed, pieces: Sequence[Segment], x, kwargs, policy=None):
     for piece in pieces:
-        if piece.checkpointed and policy is not policies.everything_saveable:
+        # A policy the plan chose for this segment, else the one for every segment.
+        chosen = policy if piece.policy is None else piece.policy
+        if piece.checkpointed and chosen is not _policies.everything_saveable:
             # The keywords go in as arguments (their tensors get gradients);
             # the segment routes the values it receives, fresh in the replay.
             x = checkpointed_call(_segment(layers, routed, piece, policy), (x,), dict(kwargs),
-                                  policy=policy)
+                                  policy=chosen)
         else:
             x = _run_layers(layers, routed, piece.start, piece.stop, x)
     return x
@@ -192,6 +221,10 @@ class CheckpointedSequential(keras.layers.Layer):
         policy: a save policy for the checkpointed segments, as in
             :func:`checkpoint_sequential` (saved in the config by name for the
             policies of :mod:`tf_checkpointing.policies`).
+        policies: with ``budget``, the save policies the plan may choose per
+            layer, as in :func:`plan_sequential` (``"auto"``: ``dots_saveable``
+            and ``dots_with_no_batch_dims_saveable``); saved in the config as
+            ``policy`` is.
         **kwargs: base layer keywords (``name``, ``dtype``, ...).
 
     Call arguments:
@@ -211,14 +244,34 @@ class CheckpointedSequential(keras.layers.Layer):
         >>> model.compile("sgd", "mse")
         >>> model.fit(np.ones((8, 16)), np.ones((8, 1)), verbose=0).history["loss"][0] > 0
         True
+
+        For a budget, choosing per layer among plain, a full replay and the save
+        policies, in a ``tf.function`` step (the plan is made on the first call):
+
+        >>> import tensorflow as tf
+        >>> body = CheckpointedSequential(
+        ...     [keras.layers.Dense(256, activation="gelu") for _ in range(6)],
+        ...     budget=3 * 2**20, policies="auto")
+        >>> @tf.function
+        ... def step(x):
+        ...     with tf.GradientTape() as tape:
+        ...         loss = tf.reduce_sum(body(x, training=True) ** 2)
+        ...     return tape.gradient(loss, body.trainable_variables)
+        >>> len(step(tf.random.normal([512, 256])))
+        12
+        >>> print(body.plan)  # doctest: +ELLIPSIS
+        SequentialPlan: 6 layers, budget 3.00 MiB -> ...
     """
 
     def __init__(self, layers: Sequence[keras.layers.Layer], segments: Segments = "sqrt",
                  budget: Optional[float] = None, policy: Any = None,
-                 **kwargs: Any) -> None:
+                 policies: Any = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         api = _LAYER_API
         layers = validate_layers(layers, api)
+        if isinstance(policies, (list, tuple)):  # from a config: names back to policies
+            policies = [_policies.from_config(p) for p in policies]
+        self.policies = _expect_choice(policy, policies, budget, api)
         for i, layer in enumerate(layers):
             if not isinstance(layer, keras.layers.Layer):
                 raise TypeError(
@@ -240,7 +293,7 @@ class CheckpointedSequential(keras.layers.Layer):
         self.layers = list(layers)
         self.segments = segments
         self.budget = budget
-        self.policy = policies.resolve(policies.from_config(policy))
+        self.policy = _policies.resolve(_policies.from_config(policy))
         self.plan: Optional[SequentialPlan] = None
         if budget is None:
             self.plan = even_plan(len(layers), expect_segments(segments, len(layers), api))
@@ -263,7 +316,7 @@ class CheckpointedSequential(keras.layers.Layer):
             return _run_layers(self.layers, routed, 0, len(self.layers), inputs)
         if self.plan is None:  # a budget, and no plan yet
             self.plan = cached_plan(self.layers, inputs, cast(int, self.budget), kwargs, routed,
-                                    api=_LAYER_API)
+                                    api=_LAYER_API, policies=self.policies)
         return run_plan(self.layers, self.plan, inputs, kwargs, routed, policy=self.policy)
 
     def compute_output_spec(self, inputs: Any, training: Optional[bool] = None) -> Any:
@@ -278,7 +331,8 @@ class CheckpointedSequential(keras.layers.Layer):
             layers=[keras.saving.serialize_keras_object(layer) for layer in self.layers],
             segments=self.segments,
             budget=self.budget,
-            policy=policies.to_config(self.policy),
+            policy=_policies.to_config(self.policy),
+            policies=[_policies.to_config(p) for p in self.policies] or None,
         )
         return config
 
