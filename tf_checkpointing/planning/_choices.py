@@ -54,7 +54,9 @@ def expect_policies(value: Any, api: str) -> tuple[Any, ...]:
         return ()
     entries = [value] if isinstance(value, str) else value
     if not isinstance(entries, (list, tuple)):
-        raise TypeError(_message(api, value, "a list of them"))
+        raise TypeError(_message(api, value, f"of type {type(value).__name__} (one policy: "
+                                 "put it in a list, policies=[p], or pass policy=p for "
+                                 "every segment)"))
     chosen: list[Any] = []
     for i, entry in enumerate(entries):
         if isinstance(entry, str) and entry == AUTO:
@@ -112,13 +114,15 @@ def measure_choices(layers: Sequence[Any], routed: Sequence[dict], inputs: Any,
         xs = [inputs]
         for layer, kw in zip(layers[:-1], routed):
             xs.append(layer(xs[-1], **kw))
+        keys = [_signature(layer, x) for layer, x in zip(layers, xs)]
         measured: dict[Any, tuple[np.ndarray, np.ndarray, float]] = {}
-        rows = []
-        for layer, kw, x in zip(layers, routed, xs):
-            key = _signature(layer, x)
+        for layer, kw, x, key in zip(layers, routed, xs, keys):
             if key not in measured:
-                measured[key] = _measure_layer(layer, kw, x, policies, xla, repeats)
-            rows.append(measured[key])
+                # A measurement that stands for several layers gets more rounds
+                # (up to 4x): its noise would count once per layer.
+                rounds = repeats * min(keys.count(key), 4)
+                measured[key] = _measure_layer(layer, kw, x, policies, xla, rounds)
+        rows = [measured[key] for key in keys]
     finally:
         for variable, value in zip(state, before):
             variable.assign(value)
@@ -140,9 +144,8 @@ def _measure_layer(layer: Any, kw: dict, x: Any, policies: tuple[Any, ...], xla:
     plain, replay = kept(calls["plain"]), kept(calls["replay"])
     fraction = np.array([min(max(kept(calls[i]) - replay, 0) / max(plain, 1), 1.0)
                          for i in range(len(policies))])
-    seconds = _step_seconds(calls, x, list(getattr(layer, "trainable_variables", ())), xla,
-                            repeats)
-    extra = {name: max(value - seconds["plain"], 0.0) for name, value in seconds.items()}
+    extra = step_extra_seconds(calls, x, list(getattr(layer, "trainable_variables", ())), xla,
+                           repeats)
     return fraction, np.array([extra[i] for i in range(len(policies))]), extra["replay"]
 
 
@@ -155,9 +158,12 @@ def _call(layer: Any, kw: dict, policy: Any, plain: bool = False) -> Callable[[A
     return lambda x: wrapped(x, **kw)
 
 
-def _step_seconds(calls: dict[Any, Callable[[Any], Any]], x: Any, variables: list[Any],
-                  xla: bool, repeats: int) -> dict[Any, float]:
-    """Median step time of each call, timed in interleaved rounds."""
+def step_extra_seconds(calls: dict[Any, Callable[[Any], Any]], x: Any, variables: list[Any],
+                   xla: bool, repeats: int, reference: Any = "plain") -> dict[Any, float]:
+    """Per call, the median over rounds of its step time minus the plain step's
+    (``calls[reference]``) in
+    the same round (each round runs every call once, in a rotating order): a
+    difference taken within a round cancels most of a shared machine's drift."""
     def step_of(call: Callable[[Any], Any]) -> Callable[[Any], Any]:
         @tf.function(jit_compile=xla or None, autograph=False)
         def step(x: Any) -> Any:
@@ -176,15 +182,18 @@ def _step_seconds(calls: dict[Any, Callable[[Any], Any]], x: Any, variables: lis
     steps = {name: step_of(call) for name, call in calls.items()}
     for step in steps.values():
         _sync(step(x))
-    times: dict[Any, list[float]] = {name: [] for name in steps}
     names = list(steps)
+    extra: dict[Any, list[float]] = {name: [] for name in names}
     for round_ in range(repeats):
         shift = round_ % len(names)  # no call always runs first
+        seconds = {}
         for name in names[shift:] + names[:shift]:
             started = time.perf_counter()
             _sync(steps[name](x))
-            times[name].append(time.perf_counter() - started)
-    return {name: statistics.median(values) for name, values in times.items()}
+            seconds[name] = time.perf_counter() - started
+        for name in names:
+            extra[name].append(seconds[name] - seconds[reference])
+    return {name: max(statistics.median(values), 0.0) for name, values in extra.items()}
 
 
 def _signature(layer: Any, x: Any) -> Any:
