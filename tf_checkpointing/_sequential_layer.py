@@ -85,7 +85,7 @@ class CheckpointedSequential(keras.layers.Layer):
         >>> import tensorflow as tf
         >>> body = CheckpointedSequential(
         ...     [keras.layers.Dense(256, activation="gelu") for _ in range(6)],
-        ...     budget=3 * 2**20, policies="auto")
+        ...     budget=8 * 2**20, policies="auto")
         >>> @tf.function
         ... def step(x):
         ...     with tf.GradientTape() as tape:
@@ -94,7 +94,7 @@ class CheckpointedSequential(keras.layers.Layer):
         >>> len(step(tf.random.normal([512, 256])))
         12
         >>> print(body.plan)  # doctest: +ELLIPSIS
-        SequentialPlan: 6 layers, budget 3.00 MiB -> ...
+        SequentialPlan: 6 layers, budget 8.00 MiB -> ...
     """
 
     def __init__(self, layers: Sequence[keras.layers.Layer], segments: Segments = "sqrt",
