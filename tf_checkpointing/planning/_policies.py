@@ -80,6 +80,10 @@ def plan_policies(layers: Sequence[Any], inputs: tf.Tensor, *, budget: int,
                   **kwargs: Any) -> PolicyPlan:
     """Chooses per layer plain, a save policy or a full replay, for a budget.
 
+    A knapsack over single layers; ``plan_sequential(..., policies=...)`` and
+    ``CheckpointedSequential(budget=..., policies=...)`` make the same choice
+    with multi-layer segments and nesting too, and run the plan.
+
     Args:
         layers: the chain (Keras layers or callables), each fed the previous output.
         inputs: the chain's input tensor at the training batch size.
