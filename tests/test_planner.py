@@ -10,7 +10,7 @@ import tensorflow as tf
 from helpers import Counter, assert_all_close
 
 from tf_checkpointing._sequential import CheckpointedSequential, checkpoint_sequential
-from tf_checkpointing.planning import _chain as _planner
+from tf_checkpointing.planning import _rotor
 from tf_checkpointing.planning._chain import (
     _inner,
     plan_sequential,
@@ -60,7 +60,7 @@ def _work(profile, pieces):
 
 @pytest.mark.parametrize("seed", range(3))
 def test_least_work_and_least_memory_match_brute_force(seed, monkeypatch):
-    monkeypatch.setattr(_planner, "_HEADROOM", 0.0)  # the program itself, exactly
+    monkeypatch.setattr(_rotor, "_HEADROOM", 0.0)  # the program itself, exactly
     rng = np.random.default_rng(seed)
     n = 6
     x = [int(v) for v in rng.integers(1, 5, n + 1) * 1000]
