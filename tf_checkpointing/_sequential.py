@@ -44,7 +44,7 @@ def checkpoint_sequential(
     inputs: Any,
     *,
     segments: Segments = "sqrt",
-    budget: Optional[float] = None,
+    budget: Optional[Union[float, str]] = None,
     policy: Optional[_policies.Policy] = None,
     policies: Any = None,
     **kwargs: Any,
@@ -68,7 +68,7 @@ def checkpoint_sequential(
         segments: number of pieces, from 1 (no checkpointing) to ``len(layers)``,
             or ``"sqrt"`` for ``round(sqrt(len(layers)))``.
         budget: bytes the training step may allocate above what is allocated
-            before it; overrides ``segments``.
+            before it, or ``"min"`` for the least memory; instead of ``segments``.
         policy: a save policy (:mod:`tf_checkpointing.policies`) for every
             checkpointed segment: also keep what it picks, replay the rest.
         policies: with ``budget``, the save policies the plan may choose per

@@ -8,7 +8,7 @@ segments, budget and policies in its Keras config.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Optional, cast
+from typing import Any, Optional, Union, cast
 
 import keras
 import tensorflow as tf
@@ -47,7 +47,8 @@ class CheckpointedSequential(keras.layers.Layer):
         layers: Keras layer instances, run one after another.
         segments: number of pieces or ``"sqrt"``, as in
             :func:`checkpoint_sequential`.
-        budget: bytes a training step may allocate; the chain is planned on the
+        budget: bytes a training step may allocate, or ``"min"`` for the
+            least memory; the chain is planned on the
             first call whose input shapes are fully known, for eager steps or,
             if that call is traced in a ``tf.function`` (``Model.fit``), for
             graph steps, and the plan is reused after (also for the smaller last
@@ -98,7 +99,7 @@ class CheckpointedSequential(keras.layers.Layer):
     """
 
     def __init__(self, layers: Sequence[keras.layers.Layer], segments: Segments = "sqrt",
-                 budget: Optional[float] = None, policy: Any = None,
+                 budget: Optional[Union[float, str]] = None, policy: Any = None,
                  policies: Any = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         api = _LAYER_API
@@ -149,7 +150,8 @@ class CheckpointedSequential(keras.layers.Layer):
         if not needs_checkpoint():  # eager with no tape: nothing to plan or keep
             return _run_layers(self.layers, routed, 0, len(self.layers), inputs)
         if self.plan is None:  # a budget, and no plan yet
-            self.plan = cached_plan(self.layers, inputs, cast(int, self.budget), kwargs, routed,
+            budget = cast(Union[int, str], self.budget)
+            self.plan = cached_plan(self.layers, inputs, budget, kwargs, routed,
                                     api=_LAYER_API, policies=self.policies)
         return run_plan(self.layers, self.plan, inputs, kwargs, routed, policy=self.policy)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import collections
 import functools
 import math
-from typing import Any
+from typing import Any, Union
 
 import numpy as np
 import tensorflow as tf
@@ -49,8 +49,9 @@ _profiles: collections.OrderedDict = collections.OrderedDict()
 _MODES = ("auto", "eager", "graph", "xla")
 
 
-def plan_sequential(layers: Any, inputs: Any, *, budget: float, mode: str = "auto",
-                    policies: Any = None, **kwargs: Any) -> SequentialPlan:
+def plan_sequential(layers: Any, inputs: Any, *, budget: Union[float, str],
+                    mode: str = "auto", policies: Any = None,
+                    **kwargs: Any) -> SequentialPlan:
     """Plans the checkpoints of a chain of layers for a memory budget.
 
     Profiles the chain once on ``inputs`` (each layer's forward and backward,
@@ -77,7 +78,8 @@ def plan_sequential(layers: Any, inputs: Any, *, budget: float, mode: str = "aut
             the batch size training uses (the plan is for these shapes).
         budget: bytes the training step may allocate on top of what is allocated
             before it (weights, inputs): activations, stored checkpoints,
-            gradients.
+            gradients; or ``"min"``: the schedule with the least peak (least
+            recomputation among those), as ``plan_model`` takes it.
         mode: how the training step runs, which decides what backprop keeps:
             ``"eager"``; ``"graph"`` for a ``tf.function`` (``Model.fit``
             included), whose graph keeps fewer intermediates, so the same budget
@@ -137,7 +139,7 @@ def plan_sequential(layers: Any, inputs: Any, *, budget: float, mode: str = "aut
                        api=_API, mode=mode, policies=candidates)
 
 
-def cached_plan(layers: list[Any], inputs: Any, budget: int, kwargs: dict[str, Any],
+def cached_plan(layers: list[Any], inputs: Any, budget: Union[int, str], kwargs: dict[str, Any],
                 routed: list[dict], *, api: str, mode: str = "auto",
                 policies: tuple[Any, ...] = ()) -> SequentialPlan:
     """The plan for ``budget``, profiling the chain only the first time it is
@@ -189,17 +191,21 @@ def _hashable(value: Any) -> Any:
         return repr(value)
 
 
-def _expect_budget(budget: Any, api: str) -> int:
+def _expect_budget(budget: Any, api: str) -> Union[int, str]:
+    """Bytes as an int, or "min" (the least-memory schedule), as plan_model takes."""
+    if isinstance(budget, str) and budget == "min":
+        return budget
     if isinstance(budget, bool) or not isinstance(budget, (int, float, np.integer,
                                                           np.floating)):
         raise TypeError(
-            f"{api}: argument `budget` must be a number of bytes; received {budget!r} of "
-            f"type {type(budget).__name__}. Pass e.g. budget=512 * 2**20 for 512 MiB."
+            f"{api}: argument `budget` must be a number of bytes or \"min\"; received "
+            f"{budget!r} of type {type(budget).__name__}. Pass e.g. budget=512 * 2**20 for "
+            "512 MiB, or budget=\"min\" for the least memory."
         )
     if not (budget > 0 and math.isfinite(budget)):
         raise ValueError(
             f"{api}: argument `budget` must be a positive, finite number of bytes; "
-            f"received budget={budget!r}. Pass e.g. budget=512 * 2**20 for 512 MiB, or "
-            "no budget (segments=...)."
+            f"received budget={budget!r}. Pass e.g. budget=512 * 2**20 for 512 MiB, "
+            "budget=\"min\", or no budget (segments=...)."
         )
     return int(budget)

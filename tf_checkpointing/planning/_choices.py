@@ -135,7 +135,8 @@ def _measure_layer(layer: Any, kw: dict, x: Any, policies: tuple[Any, ...], xla:
                    repeats: int) -> tuple[np.ndarray, np.ndarray, float]:
     from tf_checkpointing import saved_residuals
 
-    calls = {"plain": _call(layer, kw, None, plain=True), "replay": _call(layer, kw, None)}
+    calls: dict[Any, Callable[[Any], Any]] = {
+        "plain": _call(layer, kw, None, plain=True), "replay": _call(layer, kw, None)}
     calls.update({i: _call(layer, kw, p) for i, p in enumerate(policies)})
 
     def kept(call: Callable[[Any], Any]) -> int:

@@ -12,7 +12,7 @@ counterpart: which runs of a functional model's layer calls are checkpointed
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from tf_checkpointing.planning._profile import ChainProfile
 
@@ -51,7 +51,8 @@ class SequentialPlan:
     Attributes:
         num_layers: length of the chain.
         pieces: the top level, a contiguous cover of the chain by :class:`Segment`.
-        budget_bytes: the budget it was planned for (None: fixed segments).
+        budget_bytes: the budget it was planned for: bytes, ``"min"`` (the least
+            memory), or None (fixed segments).
         predicted_peak_bytes: the step's peak memory above what is allocated
             before it, as the profile predicts it (None without a profile).
         plain_peak_bytes: measured peak of the step without checkpointing.
@@ -67,7 +68,7 @@ class SequentialPlan:
 
     num_layers: int
     pieces: tuple[Segment, ...]
-    budget_bytes: Optional[int] = None
+    budget_bytes: Optional[Union[int, str]] = None
     predicted_peak_bytes: Optional[int] = None
     plain_peak_bytes: Optional[int] = None
     min_budget_bytes: Optional[int] = None
@@ -106,9 +107,10 @@ class SequentialPlan:
         mib = lambda n: "?" if n is None else f"{n / 2**20:.2f} MiB"  # noqa: E731
         head = f"SequentialPlan: {self.num_layers} layers"
         if self.budget_bytes is not None:
-            head += (f", budget {mib(self.budget_bytes)} -> predicted peak "
+            budget = "min" if self.budget_bytes == "min" else mib(self.budget_bytes)
+            head += (f", budget {budget} -> predicted peak "
                      f"{mib(self.predicted_peak_bytes)} (plain {mib(self.plain_peak_bytes)},"
-                     f" minimum {mib(self.min_budget_bytes)})")
+                     f" least budget {mib(self.min_budget_bytes)})")
         head += (f"; {self.extra_forward_layers} extra layer forwards "
                  f"({sum(self.forward_counts) / self.num_layers:.2f}x forward)")
         if self.policies:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import numpy as np
 
@@ -43,7 +43,7 @@ _MAX_UNITS = 1000
 _HEADROOM = 0.10
 
 
-def solve(profile: ChainProfile, budget: int, *, api: str = "plan_sequential",
+def solve(profile: ChainProfile, budget: Union[int, str], *, api: str = "plan_sequential",
           choices: Optional[PolicyChoices] = None) -> SequentialPlan:
     """The plan with least recomputation for ``budget``, from a profile (and, with
     ``choices``, the save policies each layer may run with)."""
@@ -61,6 +61,13 @@ def solve(profile: ChainProfile, budget: int, *, api: str = "plan_sequential",
                           predicted_peak_bytes=plain_peak, plain_peak_bytes=plain_peak,
                           min_budget_bytes=min_budget, profile=profile,
                           policies=chain.policies, predicted_extra_seconds=0.0)
+    if budget == "min":
+        least = int(min_peak + chain.outside)
+        if least >= plain_peak:
+            return plan
+        return dataclasses.replace(plan, pieces=min_pieces, predicted_peak_bytes=least,
+                                   predicted_extra_seconds=extra_seconds(chain, min_pieces))
+    budget = int(budget)
     if budget >= plain_peak:
         return plan
     if budget < min_budget:
