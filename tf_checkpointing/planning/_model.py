@@ -17,6 +17,7 @@ from typing import Any, Optional, Union
 import numpy as np
 import tensorflow as tf
 
+from tf_checkpointing.planning._allocator import in_fresh_thread, in_xla_context
 from tf_checkpointing.planning._chain import _expect_budget
 from tf_checkpointing.planning._graph import (
     LayerGraph,
@@ -25,13 +26,9 @@ from tf_checkpointing.planning._graph import (
     run_call,
     tensor_keys,
 )
+from tf_checkpointing.planning._layer_profile import ChainProfile
 from tf_checkpointing.planning._plan import ModelPlan
-from tf_checkpointing.planning._profile import (
-    ChainProfile,
-    in_fresh_thread,
-    in_xla_context,
-    profile_chain,
-)
+from tf_checkpointing.planning._profile import profile_chain
 from tf_checkpointing.planning._regions import GraphCosts, RegionModel, nested_options, solve
 
 __all__ = ["ModelPlan", "plan_model"]
