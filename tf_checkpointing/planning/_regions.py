@@ -30,6 +30,16 @@ at every cut in between), so a graph without articulation points is planned
 like any other. The same program with ``max`` in place of ``+`` gives the
 least peak of any plan (``budget="min"``).
 
+A region's replay starts as soon as the gradient of its outputs arrives, and in
+a graph that is before the plain call run right after it has finished its
+backward: the executor computes that call's input gradient first and its weight
+gradients later, so the tensors it keeps are still held while the region
+replays (a plain GPT-2 block after the last checkpointed one added its 35 MiB
+to the least plan's peak: 89 MiB measured, 49 predicted without this term). So
+a region followed by a plain call is one step of the program, whose need counts
+that call's held bytes during the region's backward; a plain call may follow
+only a plain call (or the start), never a region directly.
+
 Checkpoints nest one level, as in rotor (Beaumont et al. 2019): a region's
 replay may itself checkpoint sub-regions, which lowers what the replay holds
 (every call of a replay, its sub-regions' plain calls included, keeps what its
@@ -168,12 +178,14 @@ class RegionModel:
         """The peak the model predicts for running ``[start, stop)`` with the
         checkpointed ``spans`` (``(start, stop, inner)`` triples)."""
         held, peak = 0.0, 0.0
-        for a, c, checkpointed, inner in pieces(start, self.n if stop is None else stop,
-                                                spans):
+        cover = pieces(start, self.n if stop is None else stop, spans)
+        for k, (a, c, checkpointed, inner) in enumerate(cover):
             need = self.need(a, c, checkpointed)
             if inner:
                 replay = self.in_replay().peak(inner, a, c)
                 need = max(self.fwd_ckpt[a, c], replay + self.enter[a, c])
+            if checkpointed and k + 1 < len(cover) and not cover[k + 1][2]:
+                need += self.plain_held[c]  # the plain call after it, still held
             peak = max(peak, held + need)
             held += self.held(a, c, checkpointed)
         return peak
@@ -213,69 +225,93 @@ def solve(model: RegionModel, limit: Optional[float], *, start: int = 0,
 
 
 def _tables(model, limit, start, stop, max_len, nested, units, unit):
-    """The program's tables from cut ``start``: (value, work, came_from)."""
+    """The program's tables from cut ``start``: (value, work, came_from), each
+    indexed by (state: 0 after a plain call or at the start, 1 after a region;
+    cut; held units)."""
     size = units + 1
-    # value: least work (with a limit) or least peak so far, at (cut, held units).
-    value = np.full((stop + 1, size), np.inf)
-    work = np.full((stop + 1, size), np.inf)
-    came_from = np.full((stop + 1, size, 3), -1, np.int32)  # (cut, held units, kind)
-    value[start, 0] = work[start, 0] = 0.0
+    # value: least work (with a limit) or least peak so far.
+    value = np.full((2, stop + 1, size), np.inf)
+    work = np.full((2, stop + 1, size), np.inf)
+    # came_from: (source state, source cut, source held units, step kind of _options)
+    came_from = np.full((2, stop + 1, size, 4), -1, np.int32)
+    value[0, start, 0] = work[0, start, 0] = 0.0
     held_bytes = np.arange(size) * unit
     for a in range(start, stop):
-        if not np.isfinite(value[a]).any():
-            continue
-        last = stop if max_len is None else min(stop, a + max_len)
-        for c in range(a + 1, last + 1):
-            for kind, need, extra in _options(model, a, c, nested):
-                add = int(np.ceil(model.held(a, c, kind > 0) / unit - 1e-9))
-                if add >= size:
-                    continue
-                if limit is None:
-                    new_value = np.maximum(value[a], held_bytes + need)
-                else:
-                    new_value = np.where(held_bytes + need <= limit, value[a] + extra, np.inf)
-                new_value, new_work = new_value[:size - add], (work[a] + extra)[:size - add]
-                old_value, old_work = value[c, add:], work[c, add:]
-                better = np.isfinite(new_value) & (
-                    (new_value < old_value * (1 - 1e-9))
-                    | ((new_value <= old_value * (1 + 1e-9)) & (new_work < old_work)))
-                idx = np.nonzero(better)[0]
-                if idx.size:
-                    value[c, add + idx] = new_value[idx]
-                    work[c, add + idx] = new_work[idx]
-                    came_from[c, add + idx] = np.stack(
-                        [np.full_like(idx, a), idx, np.full_like(idx, kind)], 1)
+        for source in (0, 1):
+            if not np.isfinite(value[source, a]).any():
+                continue
+            last = stop if max_len is None else min(stop, a + max_len)
+            for c in range(a + 1, last + 1):
+                for kind, end, need, held, extra in _options(model, a, c, stop, nested):
+                    if kind == 0 and source == 1:
+                        continue  # a region's next plain call is stepped with the region
+                    add = int(np.ceil(held / unit - 1e-9))
+                    if add < size:
+                        _relax((value, work, came_from), (source, a), (int(kind in (1, 2)), end),
+                               add, need, extra, kind, held_bytes, limit)
     return value, work, came_from
+
+
+def _relax(tables, frm, to, add, need, extra, kind, held_bytes, limit) -> None:
+    """Offers the step ``frm -> to`` (``(state, cut)`` pairs) at every held level."""
+    value, work, came_from = tables
+    size = value.shape[2]
+    if limit is None:
+        new_value = np.maximum(value[frm], held_bytes + need)
+    else:
+        new_value = np.where(held_bytes + need <= limit, value[frm] + extra, np.inf)
+    new_value, new_work = new_value[:size - add], (work[frm] + extra)[:size - add]
+    old_value, old_work = value[to][add:], work[to][add:]
+    better = np.isfinite(new_value) & (
+        (new_value < old_value * (1 - 1e-9))
+        | ((new_value <= old_value * (1 + 1e-9)) & (new_work < old_work)))
+    idx = np.nonzero(better)[0]
+    if idx.size:
+        value[to][add + idx] = new_value[idx]
+        work[to][add + idx] = new_work[idx]
+        came_from[to][add + idx] = np.stack(
+            [np.full_like(idx, frm[0]), np.full_like(idx, frm[1]), idx,
+             np.full_like(idx, kind)], 1)
 
 
 def _best(tables, limit, start, stop, nested) -> Optional[tuple[float, tuple]]:
     """The best plan of ``[start, stop)`` in ``tables``, as (value, spans)."""
     value, work, came_from = tables
-    if not np.isfinite(value[stop]).any():
+    final = value[:, stop]
+    if not np.isfinite(final).any():
         return None
-    low = np.min(value[stop])
-    ties = np.nonzero(value[stop] <= low * (1 + 1e-9))[0]
-    h = int(ties[np.argmin(work[stop, ties])])
-    result = float(value[stop, h]) if limit is None else float(work[stop, h])
+    ties = np.argwhere(final <= np.min(final) * (1 + 1e-9))
+    state, h = (int(v) for v in ties[np.argmin(work[:, stop][tuple(ties.T)])])
+    result = float(value[state, stop, h]) if limit is None else float(work[state, stop, h])
     spans, c = [], stop
     while c > start:
-        a, h, kind = (int(v) for v in came_from[c, h])
+        state, a, h, kind = (int(v) for v in came_from[state, c, h])
         if kind:
-            spans.append((a, c, nested[(a, c)][2] if kind == 2 else ()))
+            end = c - 1 if kind in (3, 4) else c
+            spans.append((a, end, nested[(a, end)][2] if kind in (2, 4) else ()))
         c = a
     return result, tuple(reversed(spans))
 
 
-def _options(model: RegionModel, a: int, c: int, nested: Optional[dict]):
-    """(kind, need, extra work) of running ``[a, c)``: 0 plain (one call),
-    1 checkpointed, 2 checkpointed with checkpoints inside its replay."""
+def _options(model: RegionModel, a: int, c: int, stop: int, nested: Optional[dict]):
+    """The steps from cut ``a`` that run ``[a, c)``, as (kind, end cut, need, held
+    bytes, extra work): 0 plain (one call), 1 checkpointed, 2 checkpointed with
+    checkpoints inside its replay; 3 and 4 are 1 and 2 followed by the plain call
+    ``c``, whose held bytes count during the region's backward (see the module)."""
     if c == a + 1:
-        yield 0, model.need(a, c, False), 0.0
+        yield 0, c, model.need(a, c, False), model.held(a, c, False), 0.0
     work = model.cost_prefix[c] - model.cost_prefix[a]
-    yield 1, model.need(a, c, True), work
+    regions = [(1, model.need(a, c, True), work)]
     if nested is not None and (a, c) in nested:
         need, inner_work, _ = nested[(a, c)]
-        yield 2, need, work + inner_work
+        regions.append((2, need, work + inner_work))
+    live = model.held(a, c, True)
+    for kind, need, extra in regions:
+        yield kind, c, need, live, extra
+        if c < stop:
+            then = model.plain_held[c]
+            yield (kind + 2, c + 1, max(need + then, live + model.plain_need[c]),
+                   live + then, extra)
 
 
 def nested_options(model: RegionModel, max_len: int = 24, units: int = 40) -> dict:
