@@ -19,11 +19,27 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
-SCRIPT = textwrap.dedent("""
+# The scripts' training step: one tf.function SGD step.
+STEP = textwrap.dedent("""
     import json, os
     import keras, tensorflow as tf
     import tf_checkpointing as tc
 
+    def make_step(model):
+        optimizer = keras.optimizers.SGD(1e-3)
+
+        @tf.function
+        def step(x):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(model(x, training=True) ** 2)
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+
+        return step
+""")
+
+SCRIPT = STEP + textwrap.dedent("""
     def make():
         keras.utils.set_random_seed(0)
         x = keras.Input((32, 32, 8))
@@ -42,16 +58,7 @@ SCRIPT = textwrap.dedent("""
         model = make()
         model(x)
         setup(model)
-        optimizer = keras.optimizers.SGD(1e-3)
-
-        @tf.function
-        def step(x):
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_sum(model(x, training=True) ** 2)
-            grads = tape.gradient(loss, model.trainable_variables)
-            optimizer.apply_gradients(zip(grads, model.trainable_variables))
-            return loss
-
+        step = make_step(model)
         step(x)
         return tc.peak_memory(lambda: step(x).numpy()), model
 
@@ -106,10 +113,7 @@ def test_resnet50_example_runs_tiny():
     assert "checkpointed: peak" in done.stdout and "ModelPlan" in done.stdout, done.stdout
 
 
-TOKENS_SCRIPT = textwrap.dedent("""
-    import json
-    import keras, tensorflow as tf
-    import tf_checkpointing as tc
+TOKENS_SCRIPT = STEP + textwrap.dedent("""
     from tf_checkpointing.planning._model import plan_model
     from tf_checkpointing.planning._plan import ModelPlan
 
@@ -122,7 +126,6 @@ TOKENS_SCRIPT = textwrap.dedent("""
     model = keras.Model(ids, keras.layers.Dense(1)(h))
     x = tf.random.uniform([16, 64], 0, 100, tf.int32)
     model(x)
-    optimizer = keras.optimizers.SGD(1e-3)
     least = plan_model(model, x, budget="min", mode="graph")
     names = list(least.call_names)
     # The first region's inputs are all integer (the token ids): the embedding
@@ -132,15 +135,7 @@ TOKENS_SCRIPT = textwrap.dedent("""
     spans = tuple((a, c, ()) for a, c in zip(cuts, cuts[1:]))
     plan = ModelPlan(least.call_names, spans, "graph", None, 0, 0, 0)
     tc.apply_checkpointing(model, plan=plan)
-
-    @tf.function
-    def step(x):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_sum(model(x, training=True) ** 2)
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        return loss
-
+    step = make_step(model)
     step(x)
     # The least of a few steps: the executor's op order moves the peak by a few MiB.
     peak = min(tc.peak_memory(lambda: step(x).numpy()) for _ in range(5))

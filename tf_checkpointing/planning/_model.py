@@ -223,7 +223,9 @@ def _profile(graph: LayerGraph, inputs: Any, *, mode: str,
         producer=np.array([made[k] for k in keys]),
         last=np.array(last),
         readers=[readers.get(k, []) for k in keys],
-        floating=np.array([sizes.get(k, (0, False))[1] for k in keys]))
+        floating=np.array([sizes.get(k, (0, False))[1] for k in keys]),
+        own_wgrad=np.array([0 if mode == "eager" else p.weight_grad_bytes for p in layers],
+                           float))
     return profile, costs
 
 

@@ -72,6 +72,8 @@ class GraphCosts:
     """The numbers the program needs, per call ``i`` (``n`` calls) and per tensor.
 
     ``kept, fwd, fwd0, bwd, wgrad, cost``: per call (from the profile).
+    ``own_wgrad``: per call, the weight-gradient bytes a replay holds until its
+    backward ends (a compiled step's; eager steps count them in ``wgrad``).
     ``dx``: ``n + 1`` gradient bytes of the tensors alive at each cut.
     ``size, producer, last, readers``: per tensor: bytes, the call making it
     (-1 for a model input), the last call reading it (``n`` for an output),
@@ -90,6 +92,7 @@ class GraphCosts:
     last: np.ndarray
     readers: list
     floating: np.ndarray
+    own_wgrad: Optional[np.ndarray] = None
 
     @property
     def n(self) -> int:
@@ -136,13 +139,19 @@ class RegionModel:
                 self.enter[a, reads[at] + 1:] += costs.size[t]
         self.fwd_ckpt = np.full((n + 1, n + 1), -np.inf)
         self.bwd_region = np.full((n + 1, n + 1), -np.inf)
+        # A replay's weight gradients wait for all its gradients (so that no
+        # optimizer update runs before the replay read the weights), so those of
+        # calls [k, c) are held at the backward of call k of region [a, c).
+        own = np.zeros(n) if costs.own_wgrad is None else costs.own_wgrad
+        own_prefix = np.concatenate([[0.0], np.cumsum(own)])
         for a in range(n):
             k = np.arange(a, n)
             ckpt = np.maximum.accumulate(self.live[a, k] + costs.fwd0[k])
             back = np.maximum.accumulate(self.kept_prefix[k + 1] - self.kept_prefix[a]
-                                         + costs.dx[k + 1] + w_suffix[k + 1] + costs.bwd[k])
+                                         + costs.dx[k + 1] + w_suffix[k + 1] + costs.bwd[k]
+                                         - own_prefix[k])
             self.fwd_ckpt[a, a + 1:] = ckpt
-            self.bwd_region[a, a + 1:] = back
+            self.bwd_region[a, a + 1:] = back + own_prefix[k + 1]
         self._w_suffix, self.plain_scale = w_suffix, 1.0
         self.rescale_plain(plain_scale)
 
