@@ -8,7 +8,8 @@ input gradient before its weight gradients), so the model counts it there.
 
 import numpy as np
 
-from tf_checkpointing.planning._regions import GraphCosts, RegionModel, solve
+from tf_checkpointing.planning._region_solver import solve
+from tf_checkpointing.planning._regions import GraphCosts, RegionModel
 
 
 def _chain_costs(n=4, kept=10.0):

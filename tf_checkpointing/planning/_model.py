@@ -29,7 +29,8 @@ from tf_checkpointing.planning._graph import (
 from tf_checkpointing.planning._layer_profile import ChainProfile
 from tf_checkpointing.planning._plan import ModelPlan
 from tf_checkpointing.planning._profile import profile_chain
-from tf_checkpointing.planning._regions import GraphCosts, RegionModel, nested_options, solve
+from tf_checkpointing.planning._region_solver import nested_options, solve
+from tf_checkpointing.planning._regions import GraphCosts, RegionModel
 
 __all__ = ["ModelPlan", "plan_model"]
 
