@@ -163,8 +163,8 @@ class _Replay:
         self.out_values: Optional[list[tf.Tensor]] = None
         self.consumed: Optional[dict[int, Any]] = None  # forward only
 
-    def _call(self, inputs: Sequence[tf.Tensor]) -> Any:
-        leaves = list(self.leaves)
+    def _call(self, inputs: Sequence[tf.Tensor], others: Optional[list[Any]] = None) -> Any:
+        leaves = list(self.leaves if others is None else others)
         for i, tensor in zip(self.positions, inputs):
             leaves[i] = tensor
         args, kwargs = self.flat.pack(leaves)
@@ -217,10 +217,11 @@ class _Replay:
             scopes.enter_context(self._seeded())
             scopes.enter_context(_refuse_new_variables(self.name))
             inputs = _fresh_copies(inputs, output_grads)
+            others = _after_gradient(self.leaves, self.positions, output_grads)
             with tf.GradientTape(watch_accessed_variables=False) as tape:
                 tape.watch(inputs)
                 tape.watch(differentiable_vars)
-                out = Flattened(self._call(inputs))
+                out = Flattened(self._call(inputs, others))
             out_leaves = out.leaves
             if self.check:
                 self._verify(out, out_leaves)
@@ -333,6 +334,33 @@ def _fresh_copies(inputs: list[tf.Tensor], output_grads: Sequence[Any]) -> list[
     # other inputs carry the dependency on the gradient.
     return [tf.identity(x) if x.dtype == tf.variant else x + tf.cast(zero, x.dtype)
             for x in inputs]
+
+
+def _after_gradient(leaves: Sequence[Any], positions: Sequence[int],
+                    output_grads: Sequence[Any]) -> Optional[list[Any]]:
+    """The leaves, with the tensors that take no gradient (token ids, masks) made
+    to depend on the incoming gradient in a graph, as :func:`_fresh_copies` does
+    for the others: else the ops of a replay that read only them (a region whose
+    inputs are all integer, as a model's embedding and first block) could run
+    as soon as the backward starts, holding their activations while the later
+    calls' backward runs (on GPT-2, +35 MiB over the least plan's peak)."""
+    grad = next((g for g in output_grads if g is not None and g.dtype != tf.variant), None)
+    if tf.executing_eagerly() or grad is None:
+        return None
+    taken = set(positions)
+    # A constant keeps its static value (shapes may be computed from it).
+    pending = [i for i, leaf in enumerate(leaves) if i not in taken
+               and isinstance(leaf, tf.Tensor) and (leaf.dtype.is_integer or leaf.dtype.is_bool)
+               and tf.get_static_value(leaf) is None]
+    if not pending:
+        return None
+    zero = _opaque_zero([grad])
+    ordered = list(leaves)
+    for i in pending:
+        leaf = leaves[i]
+        ordered[i] = (tf.logical_or(leaf, tf.cast(zero, tf.bool)) if leaf.dtype.is_bool
+                      else leaf + tf.cast(zero, leaf.dtype))
+    return ordered
 
 
 def _opaque_zero(grads: Sequence[Any]) -> tf.Tensor:

@@ -1,10 +1,13 @@
 """Planning: where the checkpoints go.
 
 Each concern is one module: :mod:`._profile` measures what each layer keeps
-and costs, :mod:`._plan` holds the plan types, :mod:`._chain` solves for the
-schedule of a chain of layers within a memory budget; :mod:`._graph` reads a
-functional model's layer graph and :mod:`._regions` / :mod:`._model` plan
-checkpointed regions of it.
+and costs (reading the allocator with :mod:`._allocator`; eager steps in
+:mod:`._layer_profile`, ``tf.function`` and XLA steps in :mod:`._graph_profile`),
+:mod:`._calling` checks a chain and routes its keywords, :mod:`._plan` holds the
+plan types, :mod:`._chain` solves for the schedule of a chain of layers within a
+memory budget; :mod:`._graph` reads a functional model's layer graph and
+:mod:`._regions` (memory model), :mod:`._region_solver` (program) and
+:mod:`._model` plan checkpointed regions of it.
 """
 
 from tf_checkpointing.planning._chain import plan_sequential

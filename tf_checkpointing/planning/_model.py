@@ -17,6 +17,7 @@ from typing import Any, Optional, Union
 import numpy as np
 import tensorflow as tf
 
+from tf_checkpointing.planning._allocator import in_fresh_thread, in_xla_context
 from tf_checkpointing.planning._chain import _expect_budget
 from tf_checkpointing.planning._graph import (
     LayerGraph,
@@ -25,14 +26,11 @@ from tf_checkpointing.planning._graph import (
     run_call,
     tensor_keys,
 )
+from tf_checkpointing.planning._layer_profile import ChainProfile
 from tf_checkpointing.planning._plan import ModelPlan
-from tf_checkpointing.planning._profile import (
-    ChainProfile,
-    in_fresh_thread,
-    in_xla_context,
-    profile_chain,
-)
-from tf_checkpointing.planning._regions import GraphCosts, RegionModel, nested_options, solve
+from tf_checkpointing.planning._profile import profile_chain
+from tf_checkpointing.planning._region_solver import nested_options, solve
+from tf_checkpointing.planning._regions import GraphCosts, RegionModel
 
 __all__ = ["ModelPlan", "plan_model"]
 
@@ -226,7 +224,9 @@ def _profile(graph: LayerGraph, inputs: Any, *, mode: str,
         producer=np.array([made[k] for k in keys]),
         last=np.array(last),
         readers=[readers.get(k, []) for k in keys],
-        floating=np.array([sizes.get(k, (0, False))[1] for k in keys]))
+        floating=np.array([sizes.get(k, (0, False))[1] for k in keys]),
+        own_wgrad=np.array([0 if mode == "eager" else p.weight_grad_bytes for p in layers],
+                           float))
     return profile, costs
 
 

@@ -30,6 +30,16 @@ at every cut in between), so a graph without articulation points is planned
 like any other. The same program with ``max`` in place of ``+`` gives the
 least peak of any plan (``budget="min"``).
 
+A region's replay starts as soon as the gradient of its outputs arrives, and in
+a graph that is before the plain call run right after it has finished its
+backward: the executor computes that call's input gradient first and its weight
+gradients later, so the tensors it keeps are still held while the region
+replays (a plain GPT-2 block after the last checkpointed one added its 35 MiB
+to the least plan's peak: 89 MiB measured, 49 predicted without this term). So
+a region followed by a plain call is one step of the program, whose need counts
+that call's held bytes during the region's backward; a plain call may follow
+only a plain call (or the start), never a region directly.
+
 Checkpoints nest one level, as in rotor (Beaumont et al. 2019): a region's
 replay may itself checkpoint sub-regions, which lowers what the replay holds
 (every call of a replay, its sub-regions' plain calls included, keeps what its
@@ -39,9 +49,11 @@ peak of its replay with sub-regions (one run per start gives every end), and
 the outer program may take the region flat or nested (paying the sub-regions'
 recomputation too).
 
-All bytes come from the allocator (:mod:`tf_checkpointing.planning._profile`,
-run on the graph as a chain of "live tensor" states), and the per-call bytes
-are scaled to the measured plain step, as the chain planner does.
+This module is the memory model (:class:`RegionModel`); the program itself is
+:mod:`._region_solver`. All bytes come from the allocator
+(:mod:`tf_checkpointing.planning._profile`, run on the graph as a chain of "live
+tensor" states), and the per-call bytes are scaled to the measured plain step, as
+the chain planner does.
 """
 
 from __future__ import annotations
@@ -54,7 +66,6 @@ import numpy as np
 
 __all__: list[str] = []
 
-_UNITS = 400
 
 
 @dataclasses.dataclass
@@ -62,6 +73,8 @@ class GraphCosts:
     """The numbers the program needs, per call ``i`` (``n`` calls) and per tensor.
 
     ``kept, fwd, fwd0, bwd, wgrad, cost``: per call (from the profile).
+    ``own_wgrad``: per call, the weight-gradient bytes a replay holds until its
+    backward ends (a compiled step's; eager steps count them in ``wgrad``).
     ``dx``: ``n + 1`` gradient bytes of the tensors alive at each cut.
     ``size, producer, last, readers``: per tensor: bytes, the call making it
     (-1 for a model input), the last call reading it (``n`` for an output),
@@ -80,6 +93,7 @@ class GraphCosts:
     last: np.ndarray
     readers: list
     floating: np.ndarray
+    own_wgrad: Optional[np.ndarray] = None
 
     @property
     def n(self) -> int:
@@ -126,13 +140,19 @@ class RegionModel:
                 self.enter[a, reads[at] + 1:] += costs.size[t]
         self.fwd_ckpt = np.full((n + 1, n + 1), -np.inf)
         self.bwd_region = np.full((n + 1, n + 1), -np.inf)
+        # A replay's weight gradients wait for all its gradients (so that no
+        # optimizer update runs before the replay read the weights), so those of
+        # calls [k, c) are held at the backward of call k of region [a, c).
+        own = np.zeros(n) if costs.own_wgrad is None else costs.own_wgrad
+        own_prefix = np.concatenate([[0.0], np.cumsum(own)])
         for a in range(n):
             k = np.arange(a, n)
             ckpt = np.maximum.accumulate(self.live[a, k] + costs.fwd0[k])
             back = np.maximum.accumulate(self.kept_prefix[k + 1] - self.kept_prefix[a]
-                                         + costs.dx[k + 1] + w_suffix[k + 1] + costs.bwd[k])
+                                         + costs.dx[k + 1] + w_suffix[k + 1] + costs.bwd[k]
+                                         - own_prefix[k])
             self.fwd_ckpt[a, a + 1:] = ckpt
-            self.bwd_region[a, a + 1:] = back
+            self.bwd_region[a, a + 1:] = back + own_prefix[k + 1]
         self._w_suffix, self.plain_scale = w_suffix, 1.0
         self.rescale_plain(plain_scale)
 
@@ -168,12 +188,14 @@ class RegionModel:
         """The peak the model predicts for running ``[start, stop)`` with the
         checkpointed ``spans`` (``(start, stop, inner)`` triples)."""
         held, peak = 0.0, 0.0
-        for a, c, checkpointed, inner in pieces(start, self.n if stop is None else stop,
-                                                spans):
+        cover = pieces(start, self.n if stop is None else stop, spans)
+        for k, (a, c, checkpointed, inner) in enumerate(cover):
             need = self.need(a, c, checkpointed)
             if inner:
                 replay = self.in_replay().peak(inner, a, c)
                 need = max(self.fwd_ckpt[a, c], replay + self.enter[a, c])
+            if checkpointed and k + 1 < len(cover) and not cover[k + 1][2]:
+                need += self.plain_held[c]  # the plain call after it, still held
             peak = max(peak, held + need)
             held += self.held(a, c, checkpointed)
         return peak
@@ -190,113 +212,3 @@ def pieces(start: int, stop: int, spans: tuple) -> list[tuple[int, int, bool, tu
         at = c
     out.extend((k, k + 1, False, ()) for k in range(at, stop))
     return out
-
-
-Span = tuple  # (start, stop, inner spans): a checkpointed region, nested checkpoints inside
-
-
-def solve(model: RegionModel, limit: Optional[float], *, start: int = 0,
-          stop: Optional[int] = None, max_len: Optional[int] = None,
-          nested: Optional[dict] = None, units: int = _UNITS,
-          unit: Optional[float] = None) -> Optional[tuple[float, tuple]]:
-    """With ``limit``: the least recomputation whose modelled peak fits it, as
-    ``(work, spans)``, or None. Without: the least peak (ties: least work), as
-    ``(peak, spans)``. ``spans`` are ``(start, stop, inner)`` triples.
-
-    ``[start, stop)`` restricts the calls (a replay's, for nesting), ``max_len``
-    the length of a region, and ``nested[(a, c)] = (need, work, inner)`` offers
-    each region also with checkpoints inside its replay."""
-    stop = model.n if stop is None else stop
-    unit = unit or max(limit if limit is not None else model.peak(()), 1.0) / units
-    tables = _tables(model, limit, start, stop, max_len, nested, units, unit)
-    return _best(tables, limit, start, stop, nested)
-
-
-def _tables(model, limit, start, stop, max_len, nested, units, unit):
-    """The program's tables from cut ``start``: (value, work, came_from)."""
-    size = units + 1
-    # value: least work (with a limit) or least peak so far, at (cut, held units).
-    value = np.full((stop + 1, size), np.inf)
-    work = np.full((stop + 1, size), np.inf)
-    came_from = np.full((stop + 1, size, 3), -1, np.int32)  # (cut, held units, kind)
-    value[start, 0] = work[start, 0] = 0.0
-    held_bytes = np.arange(size) * unit
-    for a in range(start, stop):
-        if not np.isfinite(value[a]).any():
-            continue
-        last = stop if max_len is None else min(stop, a + max_len)
-        for c in range(a + 1, last + 1):
-            for kind, need, extra in _options(model, a, c, nested):
-                add = int(np.ceil(model.held(a, c, kind > 0) / unit - 1e-9))
-                if add >= size:
-                    continue
-                if limit is None:
-                    new_value = np.maximum(value[a], held_bytes + need)
-                else:
-                    new_value = np.where(held_bytes + need <= limit, value[a] + extra, np.inf)
-                new_value, new_work = new_value[:size - add], (work[a] + extra)[:size - add]
-                old_value, old_work = value[c, add:], work[c, add:]
-                better = np.isfinite(new_value) & (
-                    (new_value < old_value * (1 - 1e-9))
-                    | ((new_value <= old_value * (1 + 1e-9)) & (new_work < old_work)))
-                idx = np.nonzero(better)[0]
-                if idx.size:
-                    value[c, add + idx] = new_value[idx]
-                    work[c, add + idx] = new_work[idx]
-                    came_from[c, add + idx] = np.stack(
-                        [np.full_like(idx, a), idx, np.full_like(idx, kind)], 1)
-    return value, work, came_from
-
-
-def _best(tables, limit, start, stop, nested) -> Optional[tuple[float, tuple]]:
-    """The best plan of ``[start, stop)`` in ``tables``, as (value, spans)."""
-    value, work, came_from = tables
-    if not np.isfinite(value[stop]).any():
-        return None
-    low = np.min(value[stop])
-    ties = np.nonzero(value[stop] <= low * (1 + 1e-9))[0]
-    h = int(ties[np.argmin(work[stop, ties])])
-    result = float(value[stop, h]) if limit is None else float(work[stop, h])
-    spans, c = [], stop
-    while c > start:
-        a, h, kind = (int(v) for v in came_from[c, h])
-        if kind:
-            spans.append((a, c, nested[(a, c)][2] if kind == 2 else ()))
-        c = a
-    return result, tuple(reversed(spans))
-
-
-def _options(model: RegionModel, a: int, c: int, nested: Optional[dict]):
-    """(kind, need, extra work) of running ``[a, c)``: 0 plain (one call),
-    1 checkpointed, 2 checkpointed with checkpoints inside its replay."""
-    if c == a + 1:
-        yield 0, model.need(a, c, False), 0.0
-    work = model.cost_prefix[c] - model.cost_prefix[a]
-    yield 1, model.need(a, c, True), work
-    if nested is not None and (a, c) in nested:
-        need, inner_work, _ = nested[(a, c)]
-        yield 2, need, work + inner_work
-
-
-def nested_options(model: RegionModel, max_len: int = 24, units: int = 40) -> dict:
-    """For each region ``[a, c)`` of at most ``max_len`` calls, the least peak of
-    its replay when the replay checkpoints regions of its own (one level), as
-    ``(need, extra work, inner spans)``; only where that is below the flat need."""
-    options: dict = {}
-    replay = model.in_replay()  # the sub-regions' plain calls run inside the replay
-    unit = max(float(np.nanmax(np.where(np.isfinite(model.bwd_region), model.bwd_region, 0))),
-               1.0) / units
-    for a in range(model.n):
-        stop = min(model.n, a + max_len)
-        tables = _tables(replay, None, a, stop, None, None, units, unit)
-        for c in range(a + 3, stop + 1):
-            flat = model.need(a, c, True)
-            inner = _best(tables, None, a, c, None)
-            if inner is None or not inner[1]:
-                continue
-            need = max(model.fwd_ckpt[a, c], inner[0] + model.enter[a, c])
-            if need < flat * 0.97:
-                inner_work = sum(model.cost_prefix[e] - model.cost_prefix[s]
-                                 for s, e, _ in inner[1])
-                options[(a, c)] = (need, inner_work, inner[1])
-    return options

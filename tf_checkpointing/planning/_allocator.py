@@ -1,0 +1,143 @@
+"""Reading the device allocator, and running a profile where no tape records it.
+
+Every byte the planners use is read from the device's allocator (the BFC
+allocator; on CPU only with ``TF_CPU_ALLOCATOR_USE_BFC=true``): levels and
+peaks relative to a mark, around the calls being measured. The profile runs
+eagerly in a thread of its own (:func:`in_fresh_thread`), on the caller's
+inputs or, while a ``tf.function`` is traced, on synthetic ones of the same
+shapes (:func:`concrete_inputs`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from typing import Any, Callable
+
+import keras
+import tensorflow as tf
+from tensorflow.python.ops import control_flow_util
+
+__all__: list[str] = []
+
+_BFC_ENV_VAR = "TF_CPU_ALLOCATOR_USE_BFC"
+
+
+class Allocator:
+    """Reads one device's allocator: levels relative to the last ``mark``."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+
+    def current(self) -> int:
+        return int(tf.config.experimental.get_memory_info(self.device)["current"])
+
+    def mark(self) -> int:
+        """Resets the peak to now; returns the current level."""
+        tf.config.experimental.reset_memory_stats(self.device)
+        return self.current()
+
+    def peak_since_mark(self) -> int:
+        return int(tf.config.experimental.get_memory_info(self.device)["peak"])
+
+
+def memory_device(inputs: Any, api: str) -> str:
+    device = next((str(leaf.device) for leaf in tf.nest.flatten(inputs)
+                   if isinstance(leaf, tf.Tensor) and leaf.device), "")
+    if "GPU" in device.upper():
+        name = "GPU:" + device.rsplit(":", 1)[-1]
+    elif device:
+        name = "CPU:0"
+    else:
+        name = "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
+    if name.startswith("CPU") and os.environ.get(_BFC_ENV_VAR, "").lower() not in (
+            "1", "true"):
+        raise RuntimeError(
+            f"{api}: planning for a memory budget measures each layer with the device "
+            f"allocator, but CPU memory statistics are off ({_BFC_ENV_VAR} is "
+            f"{os.environ.get(_BFC_ENV_VAR)!r}). Fix: set {_BFC_ENV_VAR}=true before "
+            "TensorFlow is imported (first lines of the script, or "
+            f"`{_BFC_ENV_VAR}=true python train.py`), or pass segments= instead of budget=."
+        )
+    return name
+
+
+def concrete_inputs(inputs: Any, api: str) -> Any:
+    """The inputs themselves when eager; synthetic ones of the same shapes when
+    they are symbolic (planning while a tf.function is traced)."""
+
+    def make(leaf: Any) -> Any:
+        symbolic = isinstance(leaf, keras.KerasTensor) or (
+            isinstance(leaf, tf.Tensor) and tf.is_symbolic_tensor(leaf))
+        if not symbolic:
+            return leaf
+        shape = tf.TensorShape(leaf.shape)
+        if not shape.is_fully_defined():
+            raise ValueError(
+                f"{api}: planning for a memory budget needs the full input shape, but "
+                f"an input has shape {shape} (received a symbolic tensor, e.g. while "
+                "tf.function or Model.fit traces with an unknown batch size). Fix: call "
+                "it once eagerly on a real batch before training (the plan is then "
+                "reused), give the batch size (keras.Input(shape=..., batch_size=32)), "
+                "or pass segments= instead of budget=."
+            )
+        dtype = tf.as_dtype(leaf.dtype)
+        if dtype.is_floating:
+            return tf.cast(tf.random.stateless_normal(shape, seed=[0, 1]), dtype)
+        return tf.zeros(shape, dtype)
+
+    return tf.nest.map_structure(make, inputs)
+
+
+def in_fresh_thread(fn: Callable[..., Any], *args: Any) -> Any:
+    """Runs ``fn(*args)`` eagerly, with no gradient tape of the caller recording it.
+
+    Tapes, graphs being traced and ``init_scope`` (which pauses every tape) are
+    per thread, so a new thread gives both; the Keras dtype policy and the
+    distribution strategy, also per thread, are carried over.
+    """
+    policy = keras.config.dtype_policy()
+    strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
+    outcome: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            keras.config.set_dtype_policy(policy)
+            scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
+            with scope:
+                outcome["result"] = fn(*args)
+        except BaseException as error:  # noqa: BLE001 - re-raised in the caller
+            outcome["error"] = error
+
+    thread = threading.Thread(target=target, name="tf_checkpointing-profile")
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
+
+
+def in_xla_context() -> bool:
+    """Whether a ``jit_compile=True`` function is being traced here."""
+    graph = tf.compat.v1.get_default_graph()
+    return tf.inside_function() and control_flow_util.GraphOrParentsInXlaContext(graph)
+
+
+def median(values: list[int]) -> int:
+    return max(0, sorted(values)[len(values) // 2])
+
+
+def sync(value: Any) -> None:
+    for leaf in tf.nest.flatten(value):
+        if isinstance(leaf, tf.Tensor):
+            leaf.numpy()
+            return
+
+
+def nbytes(value: Any) -> int:
+    total = 0
+    for leaf in tf.nest.flatten(value, expand_composites=True):
+        if isinstance(leaf, tf.Tensor) and leaf.shape.num_elements() is not None:
+            total += leaf.shape.num_elements() * leaf.dtype.size
+    return total

@@ -1,0 +1,149 @@
+"""What each layer of a chain costs in a ``tf.function`` (or XLA) training step.
+
+A ``tf.function`` step keeps fewer bytes than eager backprop (its backward
+graph reads only some intermediates, and frees them as it goes), so each layer
+runs its forward and backward as one graph, with the allocator read at a
+``py_function`` between the two (:func:`graph_profile`), and the whole chain's
+plain step is measured as one graph (:func:`graph_plain_peak`), which the
+planners calibrate their per-layer numbers to.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import tensorflow as tf
+
+from tf_checkpointing._recompute import is_differentiable
+from tf_checkpointing.planning._allocator import Allocator, median, nbytes, sync
+from tf_checkpointing.planning._layer_profile import (
+    ChainProfile,
+    LayerProfile,
+    taped,
+    untaped_pass,
+)
+
+__all__: list[str] = []
+
+_GRAPH_RUNS = 5  # runs of each layer's graph; the profile keeps the median readings
+
+
+def graph_profile(calls, x, device, names, same_as, applied=False) -> ChainProfile:
+    """The profile of a ``tf.function`` training step (see :func:`profile_chain`)."""
+    graphs = [tf.function(call, autograph=False) if same_as[i] == i else call
+              for i, call in enumerate(calls)]
+    y = x
+    for graph in graphs:  # trace them before any reading
+        y = graph(y)
+    untaped, seconds, sizes = untaped_pass(graphs, x, device)
+    plain_peak = graph_plain_peak(calls, x, device, False, applied)
+    layers: list[Any] = []
+    grad_sizes: list[Any] = []
+    y_grad_bytes = 0
+    for i, call in enumerate(calls):
+        j = same_as[i]
+        if j != i:  # the same computation as an earlier call: its readings
+            layers.append(dataclasses.replace(layers[j], name=names[i]))
+            y = call(x)
+            x_grad_bytes = nbytes([t for t in tf.nest.flatten(x) if is_differentiable(t)])
+            y_grad_bytes = nbytes([t for t in tf.nest.flatten(y) if is_differentiable(t)])
+            grad_sizes.append(x_grad_bytes)
+            x = y
+            continue
+        layer, x_grad_bytes, y_grad_bytes = _graph_layer(call, x, device, names[i])
+        layers.append(dataclasses.replace(layer, untaped_peak_bytes=untaped[i],
+                                          seconds=seconds[i]))
+        grad_sizes.append(x_grad_bytes)
+        x = graphs[i](x)
+    grad_sizes.append(y_grad_bytes)
+    return ChainProfile(layers=tuple(layers), boundary_bytes=tuple(sizes),
+                        boundary_grad_bytes=tuple(grad_sizes), plain_peak_bytes=plain_peak,
+                        device=device, compiled=True)
+
+
+def _graph_layer(call, x, device, name) -> tuple[LayerProfile, int, int]:
+    """One layer's forward and backward as one graph, with the allocator read
+    at the point between them (a ``py_function`` that the output gradient
+    waits on): what is held there is what the graph keeps for the backward.
+
+    The executor runs independent ops in any order, so what is held varies
+    from run to run (by up to 15% for a transformer block on 2 cores); the
+    profile keeps the median of a few runs.
+    """
+    allocator = Allocator(device)
+    readings: list[tuple[int, int]] = []
+
+    def read_and_reset(*outputs: tf.Tensor) -> tf.Tensor:
+        readings.append((allocator.current(), allocator.peak_since_mark()))
+        allocator.mark()
+        return tf.constant(1.0)
+
+    def step(x: Any) -> tuple[list[Any], list[Any]]:
+        tape, y = taped(call, x)
+        leaves = [t for t in tf.nest.flatten(x) if is_differentiable(t)]
+        outputs = [t for t in tf.nest.flatten(y) if is_differentiable(t)]
+        # Takes the outputs, so they are held at the reading, as in a chain,
+        # where each output is the next layer's input.
+        one = tf.py_function(read_and_reset, outputs, tf.float32)
+        variables = list(tape.watched_variables())
+        grads = tape.gradient(outputs, leaves + variables,
+                              output_gradients=[tf.fill(tf.shape(t), tf.cast(one, t.dtype))
+                                                for t in outputs],
+                              unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        return grads[:len(leaves)], grads[len(leaves):]
+
+    graph = tf.function(step, autograph=False)
+    sync(graph(x))  # trace and warm up
+    outputs = [t for t in tf.nest.flatten(call(x)) if is_differentiable(t)]
+    kept, forward, total = [], [], []
+    for _ in range(_GRAPH_RUNS):  # the executor's order, so what is held, varies
+        readings.clear()
+        before = allocator.mark()
+        x_grads, weight_grads = graph(x)
+        sync(x_grads + weight_grads)
+        (between, forward_peak), = readings
+        kept.append(between - before)
+        forward.append(forward_peak - before)
+        total.append(max(forward_peak, allocator.peak_since_mark()) - before)
+    layer = LayerProfile(
+        name=name, kept_bytes=median(kept), forward_peak_bytes=median(forward),
+        untaped_peak_bytes=0,
+        # The output gradient, allocated after the reading, is the model's own term.
+        backward_peak_bytes=max(0, median(total) - median(kept) - nbytes(outputs)),
+        weight_grad_bytes=nbytes(weight_grads), seconds=0.0)
+    return layer, nbytes(x_grads), nbytes(outputs)
+
+
+def graph_plain_peak(calls, x, device, jit_compile: bool = False,
+                      applied: bool = False) -> int:
+    """Peak of the chain's plain forward and backward as one ``tf.function``
+    (with ``applied``: each gradient consumed at once, as by an optimizer)."""
+
+    def chain(x: Any) -> list[Any]:
+        tape, y = taped(lambda x: run_all(calls, x), x)
+        grads = _backprop(tape, x, y)
+        return [tf.reduce_sum(g) for g in grads] if applied else grads
+
+    step = tf.function(chain, autograph=False, jit_compile=jit_compile)
+    sync(step(x))  # trace and warm up
+    allocator = Allocator(device)
+    start = allocator.mark()
+    sync(step(x))
+    return max(0, allocator.peak_since_mark() - start)
+
+
+def _backprop(tape: tf.GradientTape, x: Any, y: Any) -> list[Any]:
+    """The gradients of every differentiable input leaf and variable for an
+    output gradient of ones (zeros for those not connected)."""
+    leaves = [t for t in tf.nest.flatten(x) if is_differentiable(t)]
+    outputs = [t for t in tf.nest.flatten(y) if is_differentiable(t)]
+    return tape.gradient(outputs, leaves + list(tape.watched_variables()),
+                         output_gradients=[tf.ones_like(t) for t in outputs],
+                         unconnected_gradients=tf.UnconnectedGradients.ZERO)
+
+
+def run_all(calls, x):
+    for call in calls:
+        x = call(x)
+    return x

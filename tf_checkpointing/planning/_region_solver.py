@@ -1,0 +1,153 @@
+"""The dynamic program that picks the checkpointed regions (see :mod:`._regions`).
+
+``solve`` runs the program over cut positions on a :class:`RegionModel`, with
+a budget (least recomputation that fits) or without (least peak);
+``nested_options`` offers each short region also with checkpoints inside its
+replay, one level deep.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from tf_checkpointing.planning._regions import RegionModel
+
+__all__: list[str] = []
+
+_UNITS = 400
+
+
+Span = tuple  # (start, stop, inner spans): a checkpointed region, nested checkpoints inside
+
+
+def solve(model: RegionModel, limit: Optional[float], *, start: int = 0,
+          stop: Optional[int] = None, max_len: Optional[int] = None,
+          nested: Optional[dict] = None, units: int = _UNITS,
+          unit: Optional[float] = None) -> Optional[tuple[float, tuple]]:
+    """With ``limit``: the least recomputation whose modelled peak fits it, as
+    ``(work, spans)``, or None. Without: the least peak (ties: least work), as
+    ``(peak, spans)``. ``spans`` are ``(start, stop, inner)`` triples.
+
+    ``[start, stop)`` restricts the calls (a replay's, for nesting), ``max_len``
+    the length of a region, and ``nested[(a, c)] = (need, work, inner)`` offers
+    each region also with checkpoints inside its replay."""
+    stop = model.n if stop is None else stop
+    unit = unit or max(limit if limit is not None else model.peak(()), 1.0) / units
+    tables = _tables(model, limit, start, stop, max_len, nested, units, unit)
+    return _best(tables, limit, start, stop, nested)
+
+
+def _tables(model, limit, start, stop, max_len, nested, units, unit):
+    """The program's tables from cut ``start``: (value, work, came_from), each
+    indexed by (state: 0 after a plain call or at the start, 1 after a region;
+    cut; held units)."""
+    size = units + 1
+    # value: least work (with a limit) or least peak so far.
+    value = np.full((2, stop + 1, size), np.inf)
+    work = np.full((2, stop + 1, size), np.inf)
+    # came_from: (source state, source cut, source held units, step kind of _options)
+    came_from = np.full((2, stop + 1, size, 4), -1, np.int32)
+    value[0, start, 0] = work[0, start, 0] = 0.0
+    held_bytes = np.arange(size) * unit
+    for a in range(start, stop):
+        for source in (0, 1):
+            if not np.isfinite(value[source, a]).any():
+                continue
+            last = stop if max_len is None else min(stop, a + max_len)
+            for c in range(a + 1, last + 1):
+                for kind, end, need, held, extra in _options(model, a, c, stop, nested):
+                    if kind == 0 and source == 1:
+                        continue  # a region's next plain call is stepped with the region
+                    add = int(np.ceil(held / unit - 1e-9))
+                    if add < size:
+                        _relax((value, work, came_from), (source, a), (int(kind in (1, 2)), end),
+                               add, need, extra, kind, held_bytes, limit)
+    return value, work, came_from
+
+
+def _relax(tables, frm, to, add, need, extra, kind, held_bytes, limit) -> None:
+    """Offers the step ``frm -> to`` (``(state, cut)`` pairs) at every held level."""
+    value, work, came_from = tables
+    size = value.shape[2]
+    if limit is None:
+        new_value = np.maximum(value[frm], held_bytes + need)
+    else:
+        new_value = np.where(held_bytes + need <= limit, value[frm] + extra, np.inf)
+    new_value, new_work = new_value[:size - add], (work[frm] + extra)[:size - add]
+    old_value, old_work = value[to][add:], work[to][add:]
+    better = np.isfinite(new_value) & (
+        (new_value < old_value * (1 - 1e-9))
+        | ((new_value <= old_value * (1 + 1e-9)) & (new_work < old_work)))
+    idx = np.nonzero(better)[0]
+    if idx.size:
+        value[to][add + idx] = new_value[idx]
+        work[to][add + idx] = new_work[idx]
+        came_from[to][add + idx] = np.stack(
+            [np.full_like(idx, frm[0]), np.full_like(idx, frm[1]), idx,
+             np.full_like(idx, kind)], 1)
+
+
+def _best(tables, limit, start, stop, nested) -> Optional[tuple[float, tuple]]:
+    """The best plan of ``[start, stop)`` in ``tables``, as (value, spans)."""
+    value, work, came_from = tables
+    final = value[:, stop]
+    if not np.isfinite(final).any():
+        return None
+    ties = np.argwhere(final <= np.min(final) * (1 + 1e-9))
+    state, h = (int(v) for v in ties[np.argmin(work[:, stop][tuple(ties.T)])])
+    result = float(value[state, stop, h]) if limit is None else float(work[state, stop, h])
+    spans, c = [], stop
+    while c > start:
+        state, a, h, kind = (int(v) for v in came_from[state, c, h])
+        if kind:
+            end = c - 1 if kind in (3, 4) else c
+            spans.append((a, end, nested[(a, end)][2] if kind in (2, 4) else ()))
+        c = a
+    return result, tuple(reversed(spans))
+
+
+def _options(model: RegionModel, a: int, c: int, stop: int, nested: Optional[dict]):
+    """The steps from cut ``a`` that run ``[a, c)``, as (kind, end cut, need, held
+    bytes, extra work): 0 plain (one call), 1 checkpointed, 2 checkpointed with
+    checkpoints inside its replay; 3 and 4 are 1 and 2 followed by the plain call
+    ``c``, whose held bytes count during the region's backward (see the module)."""
+    if c == a + 1:
+        yield 0, c, model.need(a, c, False), model.held(a, c, False), 0.0
+    work = model.cost_prefix[c] - model.cost_prefix[a]
+    regions = [(1, model.need(a, c, True), work)]
+    if nested is not None and (a, c) in nested:
+        need, inner_work, _ = nested[(a, c)]
+        regions.append((2, need, work + inner_work))
+    live = model.held(a, c, True)
+    for kind, need, extra in regions:
+        yield kind, c, need, live, extra
+        if c < stop:
+            then = model.plain_held[c]
+            yield (kind + 2, c + 1, max(need + then, live + model.plain_need[c]),
+                   live + then, extra)
+
+
+def nested_options(model: RegionModel, max_len: int = 24, units: int = 40) -> dict:
+    """For each region ``[a, c)`` of at most ``max_len`` calls, the least peak of
+    its replay when the replay checkpoints regions of its own (one level), as
+    ``(need, extra work, inner spans)``; only where that is below the flat need."""
+    options: dict = {}
+    replay = model.in_replay()  # the sub-regions' plain calls run inside the replay
+    unit = max(float(np.nanmax(np.where(np.isfinite(model.bwd_region), model.bwd_region, 0))),
+               1.0) / units
+    for a in range(model.n):
+        stop = min(model.n, a + max_len)
+        tables = _tables(replay, None, a, stop, None, None, units, unit)
+        for c in range(a + 3, stop + 1):
+            flat = model.need(a, c, True)
+            inner = _best(tables, None, a, c, None)
+            if inner is None or not inner[1]:
+                continue
+            need = max(model.fwd_ckpt[a, c], inner[0] + model.enter[a, c])
+            if need < flat * 0.97:
+                inner_work = sum(model.cost_prefix[e] - model.cost_prefix[s]
+                                 for s, e, _ in inner[1])
+                options[(a, c)] = (need, inner_work, inner[1])
+    return options
