@@ -17,8 +17,8 @@ from tf_checkpointing.planning._chain import (
     predict_peak,
     solve,
 )
+from tf_checkpointing.planning._layer_profile import ChainProfile, LayerProfile
 from tf_checkpointing.planning._plan import Segment, SequentialPlan
-from tf_checkpointing.planning._profile import ChainProfile, LayerProfile
 
 MIB = 2**20
 

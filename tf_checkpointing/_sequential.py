@@ -27,10 +27,10 @@ import tensorflow as tf
 
 from tf_checkpointing import policies as _policies
 from tf_checkpointing._recompute import checkpointed_call, needs_checkpoint
+from tf_checkpointing.planning._calling import route_keywords, validate_layers
 from tf_checkpointing.planning._chain import _expect_budget, cached_plan
 from tf_checkpointing.planning._choices import expect_policies
 from tf_checkpointing.planning._plan import Segment, SequentialPlan, even_plan
-from tf_checkpointing.planning._profile import route_keywords, validate_layers
 
 __all__ = ["CheckpointedSequential", "checkpoint_sequential"]
 

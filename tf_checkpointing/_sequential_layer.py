@@ -22,9 +22,9 @@ from tf_checkpointing._sequential import (
     expect_segments,
     run_plan,
 )
+from tf_checkpointing.planning._calling import route_keywords, validate_layers
 from tf_checkpointing.planning._chain import _expect_budget, cached_plan
 from tf_checkpointing.planning._plan import SequentialPlan, even_plan
-from tf_checkpointing.planning._profile import route_keywords, validate_layers
 
 __all__ = ["CheckpointedSequential"]
 

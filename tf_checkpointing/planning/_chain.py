@@ -23,17 +23,12 @@ from typing import Any, Union
 import numpy as np
 import tensorflow as tf
 
+from tf_checkpointing.planning._allocator import concrete_inputs, in_fresh_thread, in_xla_context
+from tf_checkpointing.planning._calling import route_keywords, validate_layers
 from tf_checkpointing.planning._chain_model import predict_peak as predict_peak
 from tf_checkpointing.planning._choices import PolicyChoices, expect_policies, measure_choices
 from tf_checkpointing.planning._plan import SequentialPlan
-from tf_checkpointing.planning._profile import (
-    _concrete_inputs,
-    in_fresh_thread,
-    in_xla_context,
-    profile_chain,
-    route_keywords,
-    validate_layers,
-)
+from tf_checkpointing.planning._profile import profile_chain
 from tf_checkpointing.planning._rotor import _inner as _inner  # for the tests
 from tf_checkpointing.planning._rotor import solve
 
@@ -169,7 +164,7 @@ def cached_plan(layers: list[Any], inputs: Any, budget: Union[int, str], kwargs:
     choices: dict[tuple, PolicyChoices] = entry[2]
     if policies and policies not in choices:
         choices[policies] = in_fresh_thread(lambda: measure_choices(
-            layers, routed, _concrete_inputs(inputs, api), policies, xla=xla))
+            layers, routed, concrete_inputs(inputs, api), policies, xla=xla))
     plans: dict[tuple, SequentialPlan] = entry[3]
     if (budget, policies) not in plans:
         plans[budget, policies] = solve(entry[1], budget, api=api,

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 
+from tf_checkpointing.planning._layer_profile import ChainProfile
 from tf_checkpointing.planning._plan import Segment
-from tf_checkpointing.planning._profile import ChainProfile
 
 if TYPE_CHECKING:
     from tf_checkpointing.planning._choices import PolicyChoices

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional, Union
 
-from tf_checkpointing.planning._profile import ChainProfile
+from tf_checkpointing.planning._layer_profile import ChainProfile
 
 __all__ = ["ModelPlan", "SequentialPlan", "Segment"]
 

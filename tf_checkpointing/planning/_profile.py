@@ -17,21 +17,10 @@ from collections.abc import Sequence
 from typing import Any, Callable, Optional
 
 from tf_checkpointing._state import StateRecorder
-from tf_checkpointing.planning._allocator import (
-    concrete_inputs,
-    in_fresh_thread,
-    in_xla_context,  # noqa: F401 - the chain planner imports it from here
-    memory_device,
-)
-from tf_checkpointing.planning._calling import (  # noqa: F401 - imported from here
-    accepted_keywords,  # by the chain planner and CheckpointedSequential
-    route_keywords,
-    validate_layers,
-)
+from tf_checkpointing.planning._allocator import concrete_inputs, in_fresh_thread, memory_device
 from tf_checkpointing.planning._graph_profile import graph_plain_peak, graph_profile
 from tf_checkpointing.planning._layer_profile import (
     ChainProfile,
-    LayerProfile,  # noqa: F401 - imported from here by the plan types and tests
     taped_pass,
     untaped_pass,
 )

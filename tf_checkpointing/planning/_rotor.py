@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 import numpy as np
 
 from tf_checkpointing.planning._chain_model import Chain, extra_seconds, fitted_chain, peak
+from tf_checkpointing.planning._layer_profile import ChainProfile
 from tf_checkpointing.planning._plan import Segment, SequentialPlan
-from tf_checkpointing.planning._profile import ChainProfile
 
 if TYPE_CHECKING:
     from tf_checkpointing.planning._choices import PolicyChoices
