@@ -340,3 +340,18 @@ def test_plan_policies_plans_a_real_chain_within_its_prediction():
     wrapped = tight.wrap(layers)
     assert [w is layer for w, layer in zip(wrapped, layers)] == [
         c == "plain" for c in tight.choices]
+
+
+def test_the_swap_makes_no_pass_over_kept_tensors_outside_xla():
+    """Outside XLA a kept tensor waits for the replay's inputs by a control edge
+    (an Identity): no element-wise op over it is added to the backward."""
+    from tf_checkpointing import _residuals
+
+    block = AttentionBlock()
+    block(_x())
+    graph = tf.function(_step(block, policies.dots_saveable, True)).get_concrete_function(
+        _x()).graph
+    swapped = [graph.get_operation_by_name(n) for n in _residuals.substitutions[graph]]
+    assert len(swapped) == 4  # the 4 products
+    for op in swapped:
+        assert op.type == "Identity" and op.control_inputs, op

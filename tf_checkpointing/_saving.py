@@ -3,7 +3,7 @@
 Forward (inside a graph): an op callback sees every op the checkpointed function
 creates, in order, asks the policy about each floating output, and records the
 kept tensors. Replay: the same callback position sees the replayed op and
-returns ``tf.identity(kept forward tensor)`` in place of its outputs. The
+returns the kept forward tensor (see ``_Substitute``) in place of its outputs. The
 generated op wrappers (``gen_*_ops``) hand the callback's tensors, not the op's
 own outputs, both to the code that follows and to the tape
 (``record_gradient(op_type, op.inputs, attrs, outputs)``), and the tape computes
@@ -26,12 +26,14 @@ recomputes everything (the policy changes neither memory nor time there).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any, Callable, Optional
 
 import tensorflow as tf
 from tensorflow.python.framework import op_callbacks
+from tensorflow.python.ops import control_flow_util
 
 from tf_checkpointing import _residuals, policies
 from tf_checkpointing._flags import is_checkpointing
@@ -112,12 +114,27 @@ def candidate_outputs(op_type: str, inputs: Any, outputs: Any, op_name: Optional
 
 
 def keeps(policy: Callable[[policies.OpOutput], Any], record: policies.OpOutput) -> bool:
-    """Asks the policy about one floating tensor (integer and boolean results,
-    such as shapes and masks, are never kept: they are cheap or not
-    differentiable)."""
-    if not (record.dtype.is_floating or record.dtype.is_complex):
+    """Asks the policy about one floating tensor, or one drawn at random (a
+    dropout mask). Other integer and boolean results, such as shapes, are never
+    kept: they are cheap to recompute."""
+    if not (record.dtype.is_floating or record.dtype.is_complex or record.random):
         return False
     return bool(policy(record))
+
+
+def is_draw(op_type: str) -> bool:
+    """Whether the op draws random numbers (stateless or stateful)."""
+    return ("Random" in op_type or "TruncatedNormal" in op_type or "Multinomial" in op_type
+            or op_type in ("StatefulUniform", "StatefulUniformFullInt", "StatefulUniformInt",
+                           "StatefulStandardNormal", "StatefulStandardNormalV2"))
+
+
+def _is_small(tensor: Any) -> bool:
+    """A constant, a scalar or a shape: what turns random numbers into a mask
+    (``uniform >= rate``) without bringing in an activation."""
+    if tensor.op.type == "Const" or tensor.shape.num_elements() == 1:
+        return True
+    return tensor.dtype.is_integer and tensor.shape.rank is not None and tensor.shape.rank <= 1
 
 
 class Saver:
@@ -150,6 +167,8 @@ class Saver:
             yield
         finally:
             op_callbacks.remove_op_callback(callback)
+        if isinstance(callback, _Record):
+            callback.finish()
 
     @property
     def kept(self) -> list[tf.Tensor]:
@@ -157,46 +176,87 @@ class Saver:
 
 
 class _Record:
+    """Asks the policy about each op of the forward as it is created; about ops
+    computed from random draws alone (the draws, ``uniform >= rate``) only at
+    the end (``finish``), and only about their results that the rest of the
+    call reads: a dropout mask, not the uniform numbers it was made from."""
+
     def __init__(self, saver: Saver) -> None:
         self.saver = saver
         self.graph = tf.compat.v1.get_default_graph()
+        self.drawn_ops: set[str] = set()
+        # (position in saver.ops, record, tensor) of each candidate drawn output
+        self.drawn: list[tuple[int, policies.OpOutput, tf.Tensor]] = []
 
     def __call__(self, op_type, inputs, attrs, outputs, op_name=None, graph=None):
         if graph is not self.graph:
             return outputs
+        drawn = op_name is not None and self._drawn(op_type, inputs)
+        if drawn:
+            self.drawn_ops.add(op_name)
         records = candidate_outputs(op_type, inputs, outputs, op_name, graph)
         if records is None:
             return outputs
-        kept = {r.index: outputs[r.index] for r in records if keeps(self.saver.policy, r)}
+        position, kept = len(self.saver.ops), {}
+        if drawn:
+            self.drawn.extend((position, dataclasses.replace(r, random=True), outputs[r.index])
+                              for r in records)
+        else:
+            kept = {r.index: outputs[r.index] for r in records if keeps(self.saver.policy, r)}
         self.saver.ops.append((op_type, tuple(tuple(t.shape) for t in outputs), kept))
         return outputs
 
+    def _drawn(self, op_type: str, inputs: Sequence[tf.Tensor]) -> bool:
+        if is_draw(op_type):
+            return True
+        from_draws = [t.op.name in self.drawn_ops for t in inputs]
+        return any(from_draws) and all(d or _is_small(t) for d, t in zip(from_draws, inputs))
+
+    def finish(self) -> None:
+        for position, record, tensor in self.drawn:
+            read_outside = any(op.name not in self.drawn_ops for op in tensor.consumers())
+            if read_outside and keeps(self.saver.policy, record):
+                self.saver.ops[position][2][record.index] = tensor
+
 
 class _Substitute:
-    """Replaces kept ops' outputs in a replay by ``kept + zero``, where ``zero``
-    is computed from the replay's inputs, which depend on the incoming gradient
-    (``_recompute._fresh_copies``). Without that dependency the ops downstream
-    of a kept tensor would depend on forward tensors only, and the executor or
-    XLA would run them during the forward and hold their results until the
-    backward: more memory than no checkpointing at all."""
+    """Replaces kept ops' outputs in a replay by the kept tensors, made to wait
+    for the replay's inputs, which depend on the incoming gradient
+    (``_recompute._fresh_copies``). Without that wait the ops downstream of a
+    kept tensor would depend on forward tensors only, and the executor or XLA
+    would run them during the forward and hold their results until the
+    backward: more memory than no checkpointing at all.
+
+    The wait costs no pass over the kept tensor where it can: in a graph run by
+    TensorFlow's executor it is a control edge (``Identity`` with a control
+    input; Grappler moves the edge to the consumers and drops the identity). XLA
+    ignores control edges between pure ops, so there the kept tensor gets an
+    opaque ``+ 0`` (``and True`` for a mask), which XLA fuses into its
+    consumers: no extra pass either."""
 
     def __init__(self, saver: Saver, inputs: Sequence[tf.Tensor]) -> None:
         self.saver = saver
         self.graph = tf.compat.v1.get_default_graph()
+        self.xla = control_flow_util.GraphOrParentsInXlaContext(self.graph)
         self.position = 0
         self.broken = False
         self.anchor = next((t for t in inputs if t.shape.num_elements() != 0), None)
-        self.zero: Optional[tf.Tensor] = None
+        self.true: Optional[tf.Tensor] = None
 
     def _after_gradient(self, kept: tf.Tensor) -> tf.Tensor:
         if self.anchor is None:
             return tf.identity(kept)
-        if self.zero is None:
+        if not self.xla:
+            with tf.control_dependencies([self.anchor]):
+                return tf.identity(kept)
+        if self.true is None:
             first = tf.reshape(self.anchor, [-1])[:1]
             as_bool = tf.cast(tf.reduce_max(tf.cast(first, tf.float32)), tf.bool)
-            # Always zero (a bool equals itself), but no optimizer can prove it.
-            self.zero = tf.where(tf.equal(as_bool, as_bool), 0.0, float("nan"))
-        return kept + tf.cast(self.zero, kept.dtype)
+            # Always true (a bool equals itself), but no optimizer can prove it.
+            self.true = tf.equal(as_bool, as_bool)
+        if kept.dtype == tf.bool:
+            return tf.logical_and(kept, self.true)
+        return kept + tf.cast(tf.where(self.true, 0.0, float("nan")), kept.dtype)
 
     def __call__(self, op_type, inputs, attrs, outputs, op_name=None, graph=None):
         if self.broken or graph is not self.graph:

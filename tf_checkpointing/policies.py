@@ -59,6 +59,10 @@ class OpOutput:
         index: which output of the op this is (0 for single-output ops).
         attrs: the op's attributes that policies may need (e.g. ``"equation"``
             of an ``Einsum``), as Python values.
+        random: True for a tensor computed from random draws alone (and
+            constants) that the rest of the call reads: a dropout mask
+            (``uniform >= rate``, boolean), additive noise. Policies are asked
+            about such a tensor only there, not about the draws it is made of.
     """
 
     op_type: str
@@ -69,6 +73,7 @@ class OpOutput:
     input_shapes: tuple[tf.TensorShape, ...] = ()
     index: int = 0
     attrs: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False)
+    random: bool = False
 
 
 Policy = Callable[[OpOutput], bool]
