@@ -1,5 +1,6 @@
 """Save policies: exact gradients, and kept ops absent from the backward's work."""
 
+import dataclasses
 import re
 
 import keras
@@ -47,6 +48,9 @@ POLICIES = {
     "only_names": policies.save_only_these_names("proj", "mlp_out"),
     "except_names": policies.save_anything_except_these_names("proj"),
     "custom": _keep_softmax,
+    "random": policies.random_saveable,
+    "names_and_random": policies.save_from_both_policies(
+        policies.save_only_these_names("mlp_out"), policies.random_saveable),
 }
 
 
@@ -352,6 +356,58 @@ def test_the_swap_makes_no_pass_over_kept_tensors_outside_xla():
     graph = tf.function(_step(block, policies.dots_saveable, True)).get_concrete_function(
         _x()).graph
     swapped = [graph.get_operation_by_name(n) for n in _residuals.substitutions[graph]]
-    assert len(swapped) == 4  # the 4 products
+    assert len(swapped) == 5  # the 4 products and the dropout mask
     for op in swapped:
         assert op.type == "Identity" and op.control_inputs, op
+
+
+def _draw_count(policy, checkpoint):
+    from tf_checkpointing._saving import is_draw
+
+    block = AttentionBlock()
+    block(_x())
+    graph = tf.function(_step(block, policy, checkpoint)).get_concrete_function(_x()).graph
+    return sum(is_draw(op.type) for op in _executed(graph))
+
+
+def _jax_dots(out):
+    return policies.dots_saveable(out) and not out.random
+
+
+@pytest.mark.parametrize("name, policy, redrawn", [
+    ("nothing", None, True), ("jax_dots", _jax_dots, True), ("dots", policies.dots_saveable, False),
+    ("dots_no_batch", policies.dots_with_no_batch_dims_saveable, False),
+    ("random", policies.random_saveable, False),
+])
+def test_kept_dropout_masks_are_not_drawn_again(name, policy, redrawn):
+    plain = _draw_count(None, False)
+    assert plain == 2  # the dropout's key/counter and its uniform numbers
+    assert _draw_count(policy, True) == plain * (2 if redrawn else 1)
+
+
+def test_a_policy_is_asked_about_the_mask_not_the_numbers_it_is_made_of():
+    asked = []
+
+    def policy(out):
+        asked.append(out)
+        return False
+
+    block = AttentionBlock()
+    block(_x())
+    tf.function(_step(block, policy, True)).get_concrete_function(_x())
+    drawn = [(r.op_type, r.dtype) for r in asked if r.random]
+    assert drawn == [("GreaterEqual", tf.bool)]  # uniform >= rate, 1 byte an element
+    assert not any("Random" in r.op_type for r in asked)
+
+
+def test_save_from_both_policies_keeps_either_and_round_trips_its_config():
+    both = policies.save_from_both_policies(policies.save_only_these_names("a"),
+                                            policies.random_saveable)
+    record = _record("Identity", ())
+    assert both(dataclasses.replace(record, name="a"))
+    assert both(dataclasses.replace(record, random=True))
+    assert not both(record)
+    again = policies.from_config(policies.to_config(both))
+    assert again.__name__ == both.__name__
+    with pytest.raises(TypeError, match="argument `second` must be a save policy"):
+        policies.save_from_both_policies(policies.dots_saveable, "random")
