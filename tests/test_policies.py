@@ -411,3 +411,10 @@ def test_save_from_both_policies_keeps_either_and_round_trips_its_config():
     assert again.__name__ == both.__name__
     with pytest.raises(TypeError, match="argument `second` must be a save policy"):
         policies.save_from_both_policies(policies.dots_saveable, "random")
+
+
+def test_name_policies_skip_their_ops_under_xla():
+    """The swap survives XLA: keeping "proj" spares the replay its product (the
+    "mlp_out" product is not replayed even without a policy: no gradient reads it)."""
+    plain, nothing = _hlo_dots(None, False), _hlo_dots(None, True)
+    assert _hlo_dots(POLICIES["only_names"], True) == nothing - 1 > plain
