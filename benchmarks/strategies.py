@@ -8,7 +8,8 @@
     budget_plan      `tf_checkpointing.CheckpointedSequential(blocks, budget=...)`, the
                      budget a fraction of plain's measured peak (default 1/3)
     dots_saveable    `checkpointable(block, checkpoint=True, policy=policies.dots_saveable)`
-                     per block: keeps matrix products and convolutions, replays the rest
+                     per block: keeps matrix products, convolutions and dropout masks,
+                     replays the rest
     dots_no_masks    JAX's `dots_saveable`: the products only (the replay draws the
                      dropout masks again)
     dots_no_batch    the same with `policies.dots_with_no_batch_dims_saveable`
