@@ -418,3 +418,34 @@ def test_name_policies_skip_their_ops_under_xla():
     "mlp_out" product is not replayed even without a policy: no gradient reads it)."""
     plain, nothing = _hlo_dots(None, False), _hlo_dots(None, True)
     assert _hlo_dots(POLICIES["only_names"], True) == nothing - 1 > plain
+
+
+def _layout_step(policy, checkpoint, w, b):
+    body = checkpointable(lambda x: tf.nn.gelu(tf.transpose(tf.nn.bias_add(x @ w, b))),
+                          checkpoint=checkpoint, policy=policy)
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            loss = tf.reduce_sum(body(x) ** 2)
+        return loss, tape.gradient(loss, [x, w, b])
+
+    return step
+
+
+def test_a_kept_product_read_only_by_bias_add_and_transpose_is_kept_after_them(mode):
+    w = tf.Variable(tf.random.stateless_normal([8, 6], seed=[4, 1]))
+    b = tf.Variable(tf.random.stateless_normal([6], seed=[4, 2]))
+    x = tf.random.stateless_normal([5, 8], seed=[4, 3])
+    plain = compile_step(_layout_step(None, False, w, b), mode)(x)
+    assert_all_close(compile_step(_layout_step(policies.dots_saveable, True, w, b), mode)(x),
+                     plain)
+
+    def executed(policy, checkpoint):
+        graph = tf.function(_layout_step(policy, checkpoint, w, b)).get_concrete_function(
+            x).graph
+        return sorted(op.type for op in _executed(graph)
+                      if op.type in ("MatMul", "BiasAdd", "Transpose"))
+
+    assert executed(None, True) != executed(None, False)  # a full replay redoes them
+    assert executed(policies.dots_saveable, True) == executed(None, False)

@@ -47,6 +47,10 @@ _NOT_REPLACEABLE = frozenset((
     "PartitionedCall", "StatefulPartitionedCall", "Placeholder", "Const",
 ))
 
+# Ops after a kept tensor that need neither their input's value nor its shape in
+# their gradient (see _Record._keep_after_layout_ops).
+_PASS_OVER = frozenset(("Transpose", "BiasAdd"))
+
 _pending = threading.local()
 
 
@@ -187,6 +191,7 @@ class _Record:
         self.drawn_ops: set[str] = set()
         # (position in saver.ops, record, tensor) of each candidate drawn output
         self.drawn: list[tuple[int, policies.OpOutput, tf.Tensor]] = []
+        self.positions: dict[str, int] = {}  # op name -> position in saver.ops
 
     def __call__(self, op_type, inputs, attrs, outputs, op_name=None, graph=None):
         if graph is not self.graph:
@@ -198,6 +203,7 @@ class _Record:
         if records is None:
             return outputs
         position, kept = len(self.saver.ops), {}
+        self.positions[op_name] = position
         if drawn:
             self.drawn.extend((position, dataclasses.replace(r, random=True), outputs[r.index])
                               for r in records)
@@ -217,6 +223,24 @@ class _Record:
             read_outside = any(op.name not in self.drawn_ops for op in tensor.consumers())
             if read_outside and keeps(self.saver.policy, record):
                 self.saver.ops[position][2][record.index] = tensor
+        for _, _, kept in list(self.saver.ops):
+            for index, tensor in list(kept.items()):
+                self._keep_after_layout_ops(kept, index, tensor)
+
+    def _keep_after_layout_ops(self, kept: dict[int, tf.Tensor], index: int,
+                               tensor: tf.Tensor) -> None:
+        """A kept tensor whose only reader is a ``Transpose`` or ``BiasAdd`` is
+        kept after it instead: the same bytes, and the replay skips that pass
+        over it (whose gradient reads neither its input nor its output)."""
+        readers = tensor.consumers()
+        while (len(readers) == 1 and readers[0].type in _PASS_OVER
+               and readers[0].inputs[0].name == tensor.name
+               and readers[0].name in self.positions):
+            del kept[index]
+            kept = self.saver.ops[self.positions[readers[0].name]][2]
+            index, tensor = 0, readers[0].outputs[0]
+            kept[index] = tensor
+            readers = tensor.consumers()
 
 
 class _Substitute:
