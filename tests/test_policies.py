@@ -362,7 +362,7 @@ def test_the_swap_makes_no_pass_over_kept_tensors_outside_xla():
 
 
 def _draw_count(policy, checkpoint):
-    from tf_checkpointing._saving import is_draw
+    from tf_checkpointing._draws import is_draw
 
     block = AttentionBlock()
     block(_x())

@@ -13,6 +13,12 @@ flow through the op to its inputs and the variables they read (a ``MatMul``'s
 gradient needs only its inputs), and the replayed op itself has no consumer:
 ``tf.function`` prunes it and XLA drops it. Its work is gone from the backward.
 
+Two refinements at the end of the forward (``_Record.finish``): results of
+random draws alone (a dropout mask) are offered to the policy only where the
+rest of the call reads them (``OpOutput.random``), so keeping a mask lets the
+replay skip the draw; and a kept tensor read only by a ``Transpose`` or
+``BiasAdd`` is kept after it instead (same bytes, one pass fewer in the replay).
+
 Replayed ops are matched to recorded ones by position, op type and output
 shapes; a mismatch (a function that builds another graph when replayed) stops
 the substitution for the rest of that replay, which then recomputes: slower,
@@ -35,7 +41,7 @@ import tensorflow as tf
 from tensorflow.python.framework import op_callbacks
 from tensorflow.python.ops import control_flow_util
 
-from tf_checkpointing import _residuals, policies
+from tf_checkpointing import _draws, _residuals, policies
 from tf_checkpointing._flags import is_checkpointing
 
 __all__ = ["checkpoint_name"]
@@ -126,21 +132,6 @@ def keeps(policy: Callable[[policies.OpOutput], Any], record: policies.OpOutput)
     return bool(policy(record))
 
 
-def is_draw(op_type: str) -> bool:
-    """Whether the op draws random numbers (stateless or stateful)."""
-    return ("Random" in op_type or "TruncatedNormal" in op_type or "Multinomial" in op_type
-            or op_type in ("StatefulUniform", "StatefulUniformFullInt", "StatefulUniformInt",
-                           "StatefulStandardNormal", "StatefulStandardNormalV2"))
-
-
-def _is_small(tensor: Any) -> bool:
-    """A constant, a scalar or a shape: what turns random numbers into a mask
-    (``uniform >= rate``) without bringing in an activation."""
-    if tensor.op.type == "Const" or tensor.shape.num_elements() == 1:
-        return True
-    return tensor.dtype.is_integer and tensor.shape.rank is not None and tensor.shape.rank <= 1
-
-
 class Saver:
     """The kept tensors of one checkpointed call, used by its forward and replays.
 
@@ -213,10 +204,7 @@ class _Record:
         return outputs
 
     def _drawn(self, op_type: str, inputs: Sequence[tf.Tensor]) -> bool:
-        if is_draw(op_type):
-            return True
-        from_draws = [t.op.name in self.drawn_ops for t in inputs]
-        return any(from_draws) and all(d or _is_small(t) for d, t in zip(from_draws, inputs))
+        return _draws.computed_from_draws(op_type, inputs, self.drawn_ops)
 
     def finish(self) -> None:
         for position, record, tensor in self.drawn:
