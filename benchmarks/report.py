@@ -90,7 +90,7 @@ PLAN_TARGETS = (
     TARGETS[2],
 )
 # The other save policies are reported, with no target of their own.
-UNTARGETED = ("dots_no_batch", "qkv_mlp_out", "attn_mlp_out")
+UNTARGETED = ("dots_no_batch", "dots_no_masks", "qkv_mlp_out", "attn_mlp_out")
 
 
 def _targets_for(r: RunResult) -> tuple[Target, ...]:
