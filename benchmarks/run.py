@@ -57,13 +57,15 @@ DEFAULT_MODES: dict[str, dict[str, tuple[str, ...]]] = {
 # policies_*), as in
 # `python benchmarks/run.py --models gpt2 --modes function,xla --name policies
 # --strategies plain,checkpointable,dots_saveable,dots_no_batch,qkv_mlp_out,attn_mlp_out`.
+# The plans at half of plain's peak time every block with every policy: --strategies.
+_PLANNED_POLICIES = ("policy_plan", "budget_replay", "budget_policies")
 DEFAULT_STRATEGIES = {
     # policy_plan plans chains with one tensor state (not the U-Net): --strategies.
-    "tiny": tuple(s for s in STRATEGIES if s != "policy_plan"),
+    "tiny": tuple(s for s in STRATEGIES if s not in _PLANNED_POLICIES),
     # sqrt segments (a fixed schedule, between per-block and the budget plan) run with
     # --full and --strategies: the quick run stays under two minutes on 2 cores.
     "quick": tuple(s for s in STRATEGIES if s not in ("keras_remat", "sqrt_segments")
-                   and s not in POLICIES and s != "policy_plan"),
+                   and s not in POLICIES and s not in _PLANNED_POLICIES),
     "full": tuple(STRATEGIES),
 }
 DEFAULT_REPEATS = {"tiny": 3, "quick": 5, "full": 7}

@@ -19,6 +19,10 @@
                      (`policies.save_only_these_names("attention_out", "mlp_out")`)
     policy_plan      `planning.plan_policies`: per block plain, dots_saveable or a full
                      replay, for half of plain's peak
+    budget_replay    `CheckpointedSequential(blocks, budget=...)` for half of plain's peak:
+                     plain blocks and (nested) full-replay segments
+    budget_policies  the same with `policies="auto"`: per block also dots_saveable or
+                     dots_with_no_batch_dims_saveable, the least replay time in the budget
 
 `tf.recompute_grad` accepts keyword arguments only in eager mode, so for the two
 peers `training=True` is closed over and the state's tensors are passed positionally:
@@ -173,6 +177,41 @@ def _policy_plan(blocks: list, options: dict) -> Chain:
     return chain
 
 
+def _half_budget(policies: Any) -> Callable[[list, dict], Chain]:
+    """`CheckpointedSequential(blocks, budget=..., policies=...)` for half of plain's
+    measured peak, the chain's share (as `_policy_plan`: the stem and head's part of
+    plain's peak is taken off), planned on its first call in the step's mode."""
+
+    def build(blocks: list, options: dict) -> Chain:
+        import tf_checkpointing
+
+        mode = options.get("mode", "eager")
+        plan_mode = {"eager": "eager", "function": "graph"}.get(mode, mode)
+        roomy = tf_checkpointing.plan_sequential(  # the chain's plain peak, measured
+            blocks, options["sample_state"], budget=2**50, mode=plan_mode, training=True)
+        wanted = int(POLICY_PLAN_FRACTION * options["plain_peak_bytes"])
+        # The stem and head's share (never negative: the chain's profile may read a
+        # little more than the whole step's plain peak).
+        outside = max(options["plain_peak_bytes"] - roomy.plain_peak_bytes, 0)
+        budget = max(wanted - outside, int(1.02 * (roomy.min_budget_bytes or 0)))
+        sequential = tf_checkpointing.CheckpointedSequential(blocks, budget=budget,
+                                                             policies=policies)
+
+        def chain(state: Any) -> Any:
+            return sequential(state, training=True)
+
+        first_call = chain if mode == "eager" else tf.function(
+            chain, autograph=False, jit_compile=mode == "xla")
+        with tf.GradientTape():  # it plans on its first call that can be differentiated
+            first_call(options["sample_state"])
+        plan = sequential.plan
+        chain.note = (  # type: ignore[attr-defined]
+            f"for {wanted / 2**20:.1f} MiB: " + str(plan).replace("\n", ";"))
+        return chain
+
+    return build
+
+
 def _sqrt_segments(blocks: list, options: dict) -> Chain:
     import tf_checkpointing
 
@@ -248,4 +287,8 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
                needs="policies") for name in POLICIES),
     Strategy("policy_plan", "plan_policies(budget=plain/2): plain, dots or replay per block",
              _policy_plan, needs="policies"),
+    Strategy("budget_replay", "CheckpointedSequential(budget=plain/2)", _half_budget(None),
+             needs="CheckpointedSequential"),
+    Strategy("budget_policies", "CheckpointedSequential(budget=plain/2, policies='auto')",
+             _half_budget("auto"), needs="CheckpointedSequential"),
 )}

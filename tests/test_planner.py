@@ -7,10 +7,10 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import Counter, assert_all_close
+from helpers import Counter, assert_all_close, grads_of
 
 from tf_checkpointing._sequential import CheckpointedSequential, checkpoint_sequential
-from tf_checkpointing.planning import _chain as _planner
+from tf_checkpointing.planning import _rotor
 from tf_checkpointing.planning._chain import (
     _inner,
     plan_sequential,
@@ -60,7 +60,7 @@ def _work(profile, pieces):
 
 @pytest.mark.parametrize("seed", range(3))
 def test_least_work_and_least_memory_match_brute_force(seed, monkeypatch):
-    monkeypatch.setattr(_planner, "_HEADROOM", 0.0)  # the program itself, exactly
+    monkeypatch.setattr(_rotor, "_HEADROOM", 0.0)  # the program itself, exactly
     rng = np.random.default_rng(seed)
     n = 6
     x = [int(v) for v in rng.integers(1, 5, n + 1) * 1000]
@@ -292,3 +292,36 @@ def test_cpu_planning_without_allocator_statistics_says_how_to_enable_them(monke
                                            r"TF_CPU_ALLOCATOR_USE_BFC=true before TensorFlow "
                                            r"is imported.*or pass segments="):
         plan_sequential(layers, tf.ones([2, 4]), budget=10**6)
+
+
+def test_budget_min_is_the_least_memory_schedule_on_every_chain_api(mode):
+    layers = _layers(n=8, width=32)
+    x = tf.random.stateless_normal([256, 32], seed=[0, 7])
+    probe = plan_sequential(layers, x, budget=2**40)
+    least = plan_sequential(layers, x, budget="min")
+    assert least.budget_bytes == "min" and "budget min ->" in str(least)
+    assert least.extra_forward_layers > 0
+    assert least.predicted_peak_bytes < probe.plain_peak_bytes
+    # No byte budget gives a lower predicted peak than "min".
+    assert least.predicted_peak_bytes <= plan_sequential(
+        layers, x, budget=least.min_budget_bytes).predicted_peak_bytes
+
+    variables = [v for layer in layers for v in layer.trainable_variables]
+    chained = CheckpointedSequential(layers, budget="min")
+    def plain(x):
+        for layer in layers:
+            x = layer(x)
+        return x
+
+    expected = grads_of(plain, [x], variables, mode)
+    assert_all_close(grads_of(chained, [x], variables, mode), expected)
+    assert chained.plan.budget_bytes == "min"
+    assert_all_close(grads_of(lambda x: checkpoint_sequential(layers, x, budget="min"),
+                              [x], variables, mode), expected)
+    assert CheckpointedSequential.from_config(chained.get_config()).budget == "min"
+
+
+@pytest.mark.parametrize("budget", ["max", "minimum", b"min"])
+def test_a_budget_string_other_than_min_names_the_choices(budget):
+    with pytest.raises(TypeError, match=r'number of bytes or "min".*budget="min"'):
+        CheckpointedSequential(_layers(n=2), budget=budget)

@@ -369,7 +369,8 @@ class TestErrors:
 
     @pytest.mark.parametrize("budget", ["1GB", True])
     def test_budget_not_a_number(self, budget):
-        with pytest.raises(TypeError, match=r"`budget` must be a number of bytes; received"):
+        with pytest.raises(TypeError, match=r"`budget` must be a number of bytes or \"min\"; "
+                                            r"received"):
             checkpoint_sequential([tf.nn.relu] * 2, tf.ones([2]), budget=budget)
 
     def test_budget_below_the_minimum(self):

@@ -85,8 +85,8 @@ def nested():
 MODELS = {
     "residual": (residual_net, lambda: [tf.random.stateless_normal([4, 8, 8, 3], [0, 1])]),
     "unet": (unet, lambda: [tf.random.stateless_normal([2, 16, 16, 2], [0, 2])]),
-    "two_io": (two_in_two_out, lambda: [tf.random.stateless_normal([8, 6], [0, 3]),
-                                        tf.random.stateless_normal([8, 4], [0, 4])]),
+    "two_io": (two_in_two_out, lambda: [tf.random.stateless_normal([128, 6], [0, 3]),
+                                        tf.random.stateless_normal([128, 4], [0, 4])]),
     "nested": (nested, lambda: [tf.random.stateless_normal([8, 12], [0, 5])]),
 }
 

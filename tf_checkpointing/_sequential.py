@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, Optional, Union, cast
+from typing import Any, Optional, Union
 
-import keras
 import tensorflow as tf
 
-from tf_checkpointing import policies
+from tf_checkpointing import policies as _policies
 from tf_checkpointing._recompute import checkpointed_call, needs_checkpoint
 from tf_checkpointing.planning._chain import _expect_budget, cached_plan
+from tf_checkpointing.planning._choices import expect_policies
 from tf_checkpointing.planning._plan import Segment, SequentialPlan, even_plan
 from tf_checkpointing.planning._profile import route_keywords, validate_layers
 
@@ -36,7 +36,6 @@ __all__ = ["CheckpointedSequential", "checkpoint_sequential"]
 
 Segments = Union[int, str]
 _API = "checkpoint_sequential"
-_LAYER_API = "CheckpointedSequential"
 
 
 @tf.autograph.experimental.do_not_convert
@@ -45,8 +44,9 @@ def checkpoint_sequential(
     inputs: Any,
     *,
     segments: Segments = "sqrt",
-    budget: Optional[float] = None,
-    policy: Optional[policies.Policy] = None,
+    budget: Optional[Union[float, str]] = None,
+    policy: Optional[_policies.Policy] = None,
+    policies: Any = None,
     **kwargs: Any,
 ) -> Any:
     """Runs ``layers`` one after another, checkpointing segments of them.
@@ -58,7 +58,8 @@ def checkpoint_sequential(
     away, saving nothing). With ``budget`` the chain is profiled once, on the
     first call for these shapes, and the schedule with the least recomputation
     within the budget is used (see :func:`plan_sequential`); called while a
-    ``tf.function`` is traced, it plans for what a graph keeps.
+    ``tf.function`` is traced, it plans for what a graph keeps. With
+    ``policies`` as well, the plan also chooses per layer among save policies.
 
     Args:
         layers: the chain: Keras layers or callables; the first receives
@@ -67,9 +68,13 @@ def checkpoint_sequential(
         segments: number of pieces, from 1 (no checkpointing) to ``len(layers)``,
             or ``"sqrt"`` for ``round(sqrt(len(layers)))``.
         budget: bytes the training step may allocate above what is allocated
-            before it; overrides ``segments``.
+            before it, or ``"min"`` for the least memory; instead of ``segments``.
         policy: a save policy (:mod:`tf_checkpointing.policies`) for every
             checkpointed segment: also keep what it picks, replay the rest.
+        policies: with ``budget``, the save policies the plan may choose per
+            layer (see :func:`plan_sequential`): ``"auto"`` for
+            ``dots_saveable`` and ``dots_with_no_batch_dims_saveable``, or a
+            list of policies (``"auto"`` among them stands for those two).
         **kwargs: keywords for the layers, e.g. ``training=True``; each layer
             gets those its call accepts (``Dropout`` gets ``training``,
             ``LayerNormalization`` and ``tf.nn.relu`` do not). Tensors among them
@@ -90,7 +95,8 @@ def checkpoint_sequential(
         18
     """
     layers = validate_layers(layers, _API)
-    policy = policies.resolve(policy)
+    candidates = _expect_choice(policy, policies, budget, _API)
+    policy = _policies.resolve(policy)
     routed = route_keywords(layers, kwargs, _API)
     if budget is None:
         count = expect_segments(segments, len(layers), _API)
@@ -107,8 +113,27 @@ def checkpoint_sequential(
     if budget is None:
         plan = even_plan(len(layers), count)
     else:
-        plan = cached_plan(layers, inputs, budget, kwargs, routed, api=_API)
+        plan = cached_plan(layers, inputs, budget, kwargs, routed, api=_API,
+                           policies=candidates)
     return run_plan(layers, plan, inputs, kwargs, routed, policy=policy)
+
+
+def _expect_choice(policy: Any, candidates: Any, budget: Any, api: str) -> tuple[Any, ...]:
+    """``policies=`` validated: it needs a budget, and excludes ``policy=``."""
+    chosen = expect_policies(candidates, api)
+    if candidates is not None and budget is None:
+        raise ValueError(
+            f"{api}: argument `policies` chooses a policy per layer for a memory budget, "
+            f"but no budget was given; received policies={candidates!r} and budget=None. "
+            "Pass budget=... (bytes), or policy=... for one policy on every segment."
+        )
+    if candidates is not None and policy is not None:
+        raise ValueError(
+            f"{api}: pass either `policy` (one policy for every checkpointed segment) or "
+            f"`policies` (the planner chooses per layer), not both; received "
+            f"policy={policy!r} and policies={candidates!r}. Drop one of them."
+        )
+    return chosen
 
 
 def expect_segments(segments: Any, num_layers: int, api: str) -> int:
@@ -149,11 +174,13 @@ def _run_layers(layers, routed, start, stop, x):
 
 def _run_pieces(layers, routed, pieces: Sequence[Segment], x, kwargs, policy=None):
     for piece in pieces:
-        if piece.checkpointed and policy is not policies.everything_saveable:
+        # A policy the plan chose for this segment, else the one for every segment.
+        chosen = policy if piece.policy is None else piece.policy
+        if piece.checkpointed and chosen is not _policies.everything_saveable:
             # The keywords go in as arguments (their tensors get gradients);
             # the segment routes the values it receives, fresh in the replay.
             x = checkpointed_call(_segment(layers, routed, piece, policy), (x,), dict(kwargs),
-                                  policy=policy)
+                                  policy=chosen)
         else:
             x = _run_layers(layers, routed, piece.start, piece.stop, x)
     return x
@@ -168,123 +195,5 @@ def _segment(layers, routed, piece: Segment, policy=None):
     return segment
 
 
-@keras.saving.register_keras_serializable(package="tf_checkpointing")
-class CheckpointedSequential(keras.layers.Layer):
-    """A stack of Keras layers run as one checkpointed chain.
-
-    Behaves like ``keras.Sequential(layers)`` as a layer of a bigger model, with
-    the same weights in the same order, so weights move between the two both
-    ways: ``get_weights`` / ``set_weights``, and weight files
-    (``keras.saving.save_weights(layer, "w.weights.h5")`` here,
-    ``sequential.load_weights("w.weights.h5")`` there). Training keeps only the
-    inputs of its segments (see :func:`checkpoint_sequential`); it trains in
-    ``Model.fit`` and saves to ``.keras`` files (``get_config`` / ``from_config``).
-
-    Args:
-        layers: Keras layer instances, run one after another.
-        segments: number of pieces or ``"sqrt"``, as in
-            :func:`checkpoint_sequential`.
-        budget: bytes a training step may allocate; the chain is planned on the
-            first call whose input shapes are fully known, for eager steps or,
-            if that call is traced in a ``tf.function`` (``Model.fit``), for
-            graph steps, and the plan is reused after (also for the smaller last
-            batch of an epoch).
-        policy: a save policy for the checkpointed segments, as in
-            :func:`checkpoint_sequential` (saved in the config by name for the
-            policies of :mod:`tf_checkpointing.policies`).
-        **kwargs: base layer keywords (``name``, ``dtype``, ...).
-
-    Call arguments:
-        inputs: a tensor or nested structure of tensors.
-        training: passed to the layers that accept it.
-
-    Attributes:
-        plan: the :class:`SequentialPlan` it runs (with ``budget``: None until
-            the first call that plans).
-
-    Example:
-        >>> import keras, numpy as np
-        >>> from tf_checkpointing import CheckpointedSequential
-        >>> body = CheckpointedSequential(
-        ...     [keras.layers.Dense(16, activation="relu") for _ in range(4)], segments=2)
-        >>> model = keras.Sequential([keras.Input((16,)), body, keras.layers.Dense(1)])
-        >>> model.compile("sgd", "mse")
-        >>> model.fit(np.ones((8, 16)), np.ones((8, 1)), verbose=0).history["loss"][0] > 0
-        True
-    """
-
-    def __init__(self, layers: Sequence[keras.layers.Layer], segments: Segments = "sqrt",
-                 budget: Optional[float] = None, policy: Any = None,
-                 **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        api = _LAYER_API
-        layers = validate_layers(layers, api)
-        for i, layer in enumerate(layers):
-            if not isinstance(layer, keras.layers.Layer):
-                raise TypeError(
-                    f"{api}: argument `layers` must contain only Keras layer instances "
-                    f"(to be saved and loaded); received {layer!r} of type "
-                    f"{type(layer).__name__} at index {i}. Wrap a function in a layer, "
-                    "e.g. keras.layers.Activation(tf.nn.gelu) or keras.layers.Lambda(fn), "
-                    "or use checkpoint_sequential for plain callables."
-                )
-        if budget is not None:
-            budget = _expect_budget(budget, api)
-            if not isinstance(segments, str) or segments != "sqrt":
-                raise ValueError(
-                    f"{api}: pass either `segments` or `budget`, not both; received "
-                    f"segments={segments!r} and budget={budget!r}. Drop one of them."
-                )
-        else:
-            expect_segments(segments, len(layers), api)
-        self.layers = list(layers)
-        self.segments = segments
-        self.budget = budget
-        self.policy = policies.resolve(policies.from_config(policy))
-        self.plan: Optional[SequentialPlan] = None
-        if budget is None:
-            self.plan = even_plan(len(layers), expect_segments(segments, len(layers), api))
-
-    def build(self, input_shape: Any) -> None:
-        # Like keras.Sequential.build: a symbolic pass creates every layer's weights.
-        # Outside any tf.function being traced (init_scope), so that the weights
-        # hold their values at once: the budget's profile runs the layers eagerly,
-        # and a variable created in a trace is initialized only when it runs.
-        x = keras.tree.map_shape_structure(lambda shape: keras.KerasTensor(shape),
-                                           input_shape)
-        with tf.init_scope():
-            for layer in self.layers:
-                x = layer(x)
-
-    def call(self, inputs: Any, training: Optional[bool] = None) -> Any:
-        kwargs = {} if training is None else {"training": training}
-        routed = route_keywords(self.layers, kwargs, _LAYER_API, strict=False)
-        if not needs_checkpoint():  # eager with no tape: nothing to plan or keep
-            return _run_layers(self.layers, routed, 0, len(self.layers), inputs)
-        if self.plan is None:  # a budget, and no plan yet
-            self.plan = cached_plan(self.layers, inputs, cast(int, self.budget), kwargs, routed,
-                                    api=_LAYER_API)
-        return run_plan(self.layers, self.plan, inputs, kwargs, routed, policy=self.policy)
-
-    def compute_output_spec(self, inputs: Any, training: Optional[bool] = None) -> Any:
-        x = inputs
-        for layer in self.layers:
-            x = layer.compute_output_spec(x)
-        return x
-
-    def get_config(self) -> dict[str, Any]:
-        config = super().get_config()
-        config.update(
-            layers=[keras.saving.serialize_keras_object(layer) for layer in self.layers],
-            segments=self.segments,
-            budget=self.budget,
-            policy=policies.to_config(self.policy),
-        )
-        return config
-
-    @classmethod
-    def from_config(cls, config: dict[str, Any]) -> CheckpointedSequential:
-        config = dict(config)
-        config["layers"] = [keras.saving.deserialize_keras_object(layer)
-                            for layer in config["layers"]]
-        return cls(**config)
+# The layer form lives in its own module; imported from here as before.
+from tf_checkpointing._sequential_layer import CheckpointedSequential  # noqa: E402

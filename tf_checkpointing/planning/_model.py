@@ -105,7 +105,7 @@ def expect_model_budget(budget: Any, api: str) -> Optional[int]:
             f"budget={budget!r}. Pass e.g. budget=512 * 2**20, or budget='min' for the "
             "least memory."
         )
-    return _expect_budget(budget, api)
+    return int(_expect_budget(budget, api))  # "min" was handled above
 
 
 def plan_graph(graph: LayerGraph, inputs: Any, budget: Optional[int], *, mode: str,

@@ -12,7 +12,7 @@ counterpart: which runs of a functional model's layer calls are checkpointed
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Any, Optional, Union
 
 from tf_checkpointing.planning._profile import ChainProfile
 
@@ -28,12 +28,15 @@ class Segment:
         checkpointed: whether it keeps only its input and is replayed in backprop.
         inner: for a checkpointed segment, the pieces its replay runs (nested
             checkpoints); empty when the replay runs its layers plainly.
+        policy: for a checkpointed segment, the save policy it keeps what it
+            picks with (:mod:`tf_checkpointing.policies`); None replays all of it.
     """
 
     start: int
     stop: int
     checkpointed: bool
     inner: tuple[Segment, ...] = ()
+    policy: Any = None
 
     @property
     def pieces(self) -> tuple[Segment, ...]:
@@ -48,21 +51,30 @@ class SequentialPlan:
     Attributes:
         num_layers: length of the chain.
         pieces: the top level, a contiguous cover of the chain by :class:`Segment`.
-        budget_bytes: the budget it was planned for (None: fixed segments).
+        budget_bytes: the budget it was planned for: bytes, ``"min"`` (the least
+            memory), or None (fixed segments).
         predicted_peak_bytes: the step's peak memory above what is allocated
             before it, as the profile predicts it (None without a profile).
         plain_peak_bytes: measured peak of the step without checkpointing.
         min_budget_bytes: least memory of any schedule (the smallest budget).
         profile: the per-layer measurements it was planned from.
+        policies: the save policies the planner could choose per segment (see
+            ``Segment.policy``); empty when it chose only between plain and full
+            replays.
+        predicted_extra_seconds: the replay time per step the plan adds, as the
+            planner's time model predicts it (with ``policies``: measured
+            ``tf.function`` step times; else eager forward times).
     """
 
     num_layers: int
     pieces: tuple[Segment, ...]
-    budget_bytes: Optional[int] = None
+    budget_bytes: Optional[Union[int, str]] = None
     predicted_peak_bytes: Optional[int] = None
     plain_peak_bytes: Optional[int] = None
     min_budget_bytes: Optional[int] = None
     profile: Optional[ChainProfile] = dataclasses.field(default=None, repr=False)
+    policies: tuple[Any, ...] = ()
+    predicted_extra_seconds: Optional[float] = None
 
     @property
     def segments(self) -> list[tuple[int, int]]:
@@ -95,11 +107,16 @@ class SequentialPlan:
         mib = lambda n: "?" if n is None else f"{n / 2**20:.2f} MiB"  # noqa: E731
         head = f"SequentialPlan: {self.num_layers} layers"
         if self.budget_bytes is not None:
-            head += (f", budget {mib(self.budget_bytes)} -> predicted peak "
+            budget = "min" if self.budget_bytes == "min" else mib(self.budget_bytes)
+            head += (f", budget {budget} -> predicted peak "
                      f"{mib(self.predicted_peak_bytes)} (plain {mib(self.plain_peak_bytes)},"
-                     f" minimum {mib(self.min_budget_bytes)})")
+                     f" least budget {mib(self.min_budget_bytes)})")
         head += (f"; {self.extra_forward_layers} extra layer forwards "
                  f"({sum(self.forward_counts) / self.num_layers:.2f}x forward)")
+        if self.policies:
+            head += f"; policies to choose from: {', '.join(map(policy_name, self.policies))}"
+        if self.predicted_extra_seconds:
+            head += f"; predicted replay time {self.predicted_extra_seconds * 1e3:.1f} ms"
         return "\n".join([head] + _describe(self.pieces, "  "))
 
 
@@ -119,9 +136,20 @@ def _describe(pieces: tuple[Segment, ...], indent: str) -> list[str]:
     lines = []
     for p in pieces:
         kind = "checkpointed" if p.checkpointed else "plain"
+        if p.checkpointed and p.policy is not None:
+            kind += f" with {policy_name(p.policy)}"
         lines.append(f"{indent}[{p.start}, {p.stop}) {kind} ({p.stop - p.start} layers)")
         lines.extend(_describe(p.inner, indent + "  "))
     return lines
+
+
+def policy_name(policy: Any) -> str:
+    """How a plan shows a policy: its function's name (with the names a name
+    policy keeps), else its repr."""
+    config = getattr(policy, "_config", None)
+    if config:
+        return f"{config[0]}({', '.join(map(repr, config[1]))})"
+    return getattr(policy, "__name__", None) or repr(policy)
 
 
 def even_plan(num_layers: int, segments: int) -> SequentialPlan:

@@ -21,8 +21,6 @@ extra in eager mode.
 from __future__ import annotations
 
 import dataclasses
-import statistics
-import time
 from collections.abc import Sequence
 from typing import Any, Callable, Optional
 
@@ -82,6 +80,10 @@ def plan_policies(layers: Sequence[Any], inputs: tf.Tensor, *, budget: int,
                   **kwargs: Any) -> PolicyPlan:
     """Chooses per layer plain, a save policy or a full replay, for a budget.
 
+    A knapsack over single layers; ``plan_sequential(..., policies=...)`` and
+    ``CheckpointedSequential(budget=..., policies=...)`` make the same choice
+    with multi-layer segments and nesting too, and run the plan.
+
     Args:
         layers: the chain (Keras layers or callables), each fed the previous output.
         inputs: the chain's input tensor at the training batch size.
@@ -131,10 +133,8 @@ def _plan(layers, inputs, budget, candidates, repeats, kwargs) -> PolicyPlan:
     options = (PLAIN, *candidates)
     kept = np.array([[_kept_bytes(layer, x, c, kwargs) for c in options]
                      for layer, x in zip(layers, xs)], dtype=np.float64)
-    seconds = np.array([[_step_seconds(layer, x, c, kwargs, repeats) for c in options]
-                        for layer, x in zip(layers, xs)])
-    extra = np.maximum(seconds - seconds[:, :1], 0.0)
-    extra[:, 0] = 0.0
+    extra = np.array([_layer_extra_seconds(layer, x, options, kwargs, repeats)
+                      for layer, x in zip(layers, xs)])
     plain_peak = _plain_peak(layers, inputs, kwargs)
     unplanned = PolicyPlan((), 0, int(plain_peak), 0, 0.0, options, kept, extra)
     return unplanned.replan(budget)
@@ -223,24 +223,19 @@ def _kept_bytes(layer: Any, x: tf.Tensor, choice: Any, kwargs: dict) -> int:
                if r.kind in ("activation", "argument"))
 
 
-def _step_seconds(layer: Any, x: tf.Tensor, choice: Any, kwargs: dict, repeats: int) -> float:
-    call = _call(layer, choice, kwargs)
-    variables = list(getattr(layer, "trainable_variables", ()))
+def _layer_extra_seconds(layer: Any, x: tf.Tensor, options: tuple, kwargs: dict,
+                         repeats: int) -> list[float]:
+    """Per option, the step time it adds to plain's, timed as the chain planner
+    times its choices (:mod:`._choices`: a loss whose gradient depends on the
+    output, paired rounds). An earlier version timed ``reduce_sum(y)``, whose
+    constant gradient let the replay run beside the forward: a full replay then
+    looked free (+0.3 ms per decoder block, against +13 ms in a chain)."""
+    from tf_checkpointing.planning._choices import step_extra_seconds
 
-    @tf.function
-    def step(x: tf.Tensor) -> Any:
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            loss = tf.reduce_sum(call(x))
-        return tape.gradient(loss, [x] + variables)
-
-    _sync(step(x))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        _sync(step(x))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    calls = {i: _call(layer, c, kwargs) for i, c in enumerate(options)}
+    extra = step_extra_seconds(calls, x, list(getattr(layer, "trainable_variables", ())),
+                           False, max(repeats, 3), reference=0)
+    return [0.0] + [extra[i] for i in range(1, len(options))]
 
 
 def _plain_peak(layers: Sequence[Any], x: tf.Tensor, kwargs: dict) -> int:

@@ -1,0 +1,218 @@
+"""The save policies a chain's layers may run with, and what each one costs.
+
+The schedule solver (:mod:`._rotor`) may run a layer as a checkpointed call of
+its own with a save policy (:mod:`tf_checkpointing.policies`): it keeps what the
+policy picks and replays the rest. For that it needs, per layer and policy, the
+bytes kept (listed by :func:`~tf_checkpointing.saved_residuals`, which agrees
+with the allocator) and the replay's time. The time is measured, not modelled:
+the layer's training step as a ``tf.function`` (XLA-compiled for
+``mode="xla"``), plain, fully replayed and with each policy, timed in
+interleaved rounds (median), so that a full replay and a policy are compared in
+the same unit and under the same load.
+
+The step's loss is the sum of the squared outputs, so the incoming gradient is
+computed from the forward. With ``reduce_sum(y)`` (a constant gradient of ones)
+the replay does not wait for the forward and runs beside it on a second core:
+measured on the benchmark decoder's block, a full replay then looked free (+0%,
+against +33% with a gradient that depends on the output, as in a chain), which
+is why ``plan_policies`` chose full replays it thought cost nothing.
+
+Layers of the same class, configuration, weight shapes and input are measured
+once (a transformer's identical blocks: one measurement, more rounds for less
+noise).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any, Callable
+
+import numpy as np
+import tensorflow as tf
+
+from tf_checkpointing import policies as _policies
+
+__all__ = ["PolicyChoices", "expect_policies", "measure_choices"]
+
+AUTO = "auto"
+# JAX's two policies that keep matrix products: what "auto" chooses from.
+_AUTO_NAMES = ("dots_saveable", "dots_with_no_batch_dims_saveable")
+
+
+def expect_policies(value: Any, api: str) -> tuple[Any, ...]:
+    """``policies=`` as a tuple of candidate policies (empty: none), or a clear error.
+
+    Accepted: None (full replays only), ``"auto"`` (``dots_saveable`` and
+    ``dots_with_no_batch_dims_saveable``), or a list of policies, in which
+    ``"auto"`` stands for those two. ``nothing_saveable`` (a full replay) and
+    ``everything_saveable`` (plain) are always choices, so they are dropped.
+    """
+    if value is None:
+        return ()
+    entries = [value] if isinstance(value, str) else value
+    if not isinstance(entries, (list, tuple)):
+        raise TypeError(_message(api, value, f"of type {type(value).__name__} (one policy: "
+                                 "put it in a list, policies=[p], or pass policy=p for "
+                                 "every segment)"))
+    chosen: list[Any] = []
+    for i, entry in enumerate(entries):
+        if isinstance(entry, str) and entry == AUTO:
+            chosen.extend(getattr(_policies, name) for name in _AUTO_NAMES)
+        elif callable(entry) and not isinstance(entry, (type, str, tf.Tensor)):
+            chosen.append(entry)
+        else:
+            where = "" if entries is not value else f" (entry {i})"
+            raise TypeError(_message(api, value, f"{entry!r} of type "
+                                     f"{type(entry).__name__}{where}"))
+    unique: list[Any] = []
+    for policy in chosen:
+        if (policy not in unique and policy is not _policies.nothing_saveable
+                and policy is not _policies.everything_saveable):
+            unique.append(policy)
+    return tuple(unique)
+
+
+def _message(api: str, value: Any, received: str) -> str:
+    return (
+        f"{api}: argument `policies` must be None, 'auto', or a list of save policies "
+        "(such as tf_checkpointing.policies.dots_saveable, or 'auto' for dots_saveable "
+        f"and dots_with_no_batch_dims_saveable); received {value!r}: {received}. Pass "
+        "e.g. policies='auto' or policies=['auto', tf_checkpointing.policies."
+        "save_only_these_names('mlp_out')]."
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyChoices:
+    """Per layer of a chain: what each policy keeps and costs.
+
+    Attributes:
+        policies: the candidate policies (columns).
+        kept_fraction: ``[layer, policy]``, the bytes the policy keeps beyond a
+            full replay's, as a fraction of what the plain layer keeps.
+        policy_seconds: ``[layer, policy]``, the step time it adds to plain's.
+        replay_seconds: ``[layer]``, the step time a full replay adds to plain's.
+    """
+
+    policies: tuple[Any, ...]
+    kept_fraction: np.ndarray
+    policy_seconds: np.ndarray
+    replay_seconds: np.ndarray
+
+
+def measure_choices(layers: Sequence[Any], routed: Sequence[dict], inputs: Any,
+                    policies: tuple[Any, ...], *, xla: bool = False,
+                    repeats: int = 7) -> PolicyChoices:
+    """Measures every layer (once per distinct layer) with every policy; the
+    state the layers change (dropout seeds, BatchNorm statistics) is put back."""
+    state = [v for layer in layers for v in getattr(layer, "variables", ())]
+    before = [v.numpy() for v in state]
+    try:
+        xs = [inputs]
+        for layer, kw in zip(layers[:-1], routed):
+            xs.append(layer(xs[-1], **kw))
+        keys = [_signature(layer, x) for layer, x in zip(layers, xs)]
+        measured: dict[Any, tuple[np.ndarray, np.ndarray, float]] = {}
+        for layer, kw, x, key in zip(layers, routed, xs, keys):
+            if key not in measured:
+                # A measurement that stands for several layers gets more rounds
+                # (up to 4x): its noise would count once per layer.
+                rounds = repeats * min(keys.count(key), 4)
+                measured[key] = _measure_layer(layer, kw, x, policies, xla, rounds)
+        rows = [measured[key] for key in keys]
+    finally:
+        for variable, value in zip(state, before):
+            variable.assign(value)
+    return PolicyChoices(policies, np.array([r[0] for r in rows]).reshape(len(rows), -1),
+                         np.array([r[1] for r in rows]).reshape(len(rows), -1),
+                         np.array([r[2] for r in rows], float))
+
+
+def _measure_layer(layer: Any, kw: dict, x: Any, policies: tuple[Any, ...], xla: bool,
+                   repeats: int) -> tuple[np.ndarray, np.ndarray, float]:
+    from tf_checkpointing import saved_residuals
+
+    calls: dict[Any, Callable[[Any], Any]] = {
+        "plain": _call(layer, kw, None, plain=True), "replay": _call(layer, kw, None)}
+    calls.update({i: _call(layer, kw, p) for i, p in enumerate(policies)})
+
+    def kept(call: Callable[[Any], Any]) -> int:
+        return sum(r.bytes for r in saved_residuals(call, x) if r.kind == "activation")
+
+    plain, replay = kept(calls["plain"]), kept(calls["replay"])
+    fraction = np.array([min(max(kept(calls[i]) - replay, 0) / max(plain, 1), 1.0)
+                         for i in range(len(policies))])
+    extra = step_extra_seconds(calls, x, list(getattr(layer, "trainable_variables", ())), xla,
+                           repeats)
+    return fraction, np.array([extra[i] for i in range(len(policies))]), extra["replay"]
+
+
+def _call(layer: Any, kw: dict, policy: Any, plain: bool = False) -> Callable[[Any], Any]:
+    from tf_checkpointing import checkpointable
+
+    if plain:
+        return lambda x: layer(x, **kw)
+    wrapped = checkpointable(layer, checkpoint=True, policy=policy)
+    return lambda x: wrapped(x, **kw)
+
+
+def step_extra_seconds(calls: dict[Any, Callable[[Any], Any]], x: Any, variables: list[Any],
+                   xla: bool, repeats: int, reference: Any = "plain") -> dict[Any, float]:
+    """Per call, the median over rounds of its step time minus the plain step's
+    (``calls[reference]``) in
+    the same round (each round runs every call once, in a rotating order): a
+    difference taken within a round cancels most of a shared machine's drift."""
+    def step_of(call: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        @tf.function(jit_compile=xla or None, autograph=False)
+        def step(x: Any) -> Any:
+            sources = [t for t in tf.nest.flatten(x) if t.dtype.is_floating]
+            with tf.GradientTape() as tape:
+                tape.watch(sources)
+                outputs = [tf.cast(y, tf.float32) for y in tf.nest.flatten(call(x))
+                           if y.dtype.is_floating]
+                # A gradient computed from the output: the replay has to wait for
+                # the forward, as in a chain (see the module docstring).
+                loss = tf.add_n([tf.reduce_sum(tf.square(y)) for y in outputs])
+            return tape.gradient(loss, sources + variables)
+
+        return step
+
+    steps = {name: step_of(call) for name, call in calls.items()}
+    for step in steps.values():
+        _sync(step(x))
+    names = list(steps)
+    extra: dict[Any, list[float]] = {name: [] for name in names}
+    for round_ in range(repeats):
+        shift = round_ % len(names)  # no call always runs first
+        seconds = {}
+        for name in names[shift:] + names[:shift]:
+            started = time.perf_counter()
+            _sync(steps[name](x))
+            seconds[name] = time.perf_counter() - started
+        for name in names:
+            extra[name].append(seconds[name] - seconds[reference])
+    return {name: max(statistics.median(values), 0.0) for name, values in extra.items()}
+
+
+def _signature(layer: Any, x: Any) -> Any:
+    """Layers with equal signatures are measured once: the same class and
+    configuration (but the name), weight shapes and input shapes."""
+    shapes = tuple((tuple(t.shape), t.dtype.name) for t in tf.nest.flatten(x)
+                   if hasattr(t, "dtype"))
+    try:
+        config = dict(layer.get_config())
+        config.pop("name", None)
+        described = repr(sorted(config.items()))
+    except Exception:  # not a Keras layer, or one without a config: measured alone
+        return id(layer), shapes
+    weights = tuple(tuple(v.shape) for v in getattr(layer, "weights", ()))
+    return type(layer), described, weights, shapes
+
+
+def _sync(values: Any) -> None:
+    for value in tf.nest.flatten(values):
+        if value is not None:
+            np.asarray(value)
