@@ -90,7 +90,7 @@ PLAN_TARGETS = (
     TARGETS[2],
 )
 # The other save policies are reported, with no target of their own.
-UNTARGETED = ("dots_no_batch", "qkv_mlp_out", "attn_mlp_out", "budget_replay")
+UNTARGETED = ("dots_no_batch", "dots_no_masks", "qkv_mlp_out", "attn_mlp_out", "budget_replay")
 
 
 def _targets_for(r: RunResult) -> tuple[Target, ...]:

@@ -8,7 +8,10 @@
     budget_plan      `tf_checkpointing.CheckpointedSequential(blocks, budget=...)`, the
                      budget a fraction of plain's measured peak (default 1/3)
     dots_saveable    `checkpointable(block, checkpoint=True, policy=policies.dots_saveable)`
-                     per block: keeps matrix products and convolutions, replays the rest
+                     per block: keeps matrix products, convolutions and dropout masks,
+                     replays the rest
+    dots_no_masks    JAX's `dots_saveable`: the products only (the replay draws the
+                     dropout masks again)
     dots_no_batch    the same with `policies.dots_with_no_batch_dims_saveable`
     qkv_mlp_out      MaxText-style: keeps the attention's q/k/v projections and the MLP
                      output (`checkpoint_name(..., "mlp_out")` in the decoder block)
@@ -131,11 +134,22 @@ def _qkv_and_mlp_out() -> Callable[[Any], bool]:
     return policy
 
 
+def _dots_without_masks() -> Callable[[Any], bool]:
+    """JAX's `dots_saveable`: the products only; the replay draws the dropout masks again."""
+    from tf_checkpointing import policies
+
+    def dots_without_masks(out: Any) -> bool:
+        return policies.dots_saveable(out) and not out.random
+
+    return dots_without_masks
+
+
 def _policies() -> dict[str, Callable[[], Any]]:
     from tf_checkpointing import policies
 
     return {
         "dots_saveable": lambda: policies.dots_saveable,
+        "dots_no_masks": _dots_without_masks,
         "dots_no_batch": lambda: policies.dots_with_no_batch_dims_saveable,
         "qkv_mlp_out": _qkv_and_mlp_out,
         "attn_mlp_out": lambda: policies.save_only_these_names("attention_out", "mlp_out"),

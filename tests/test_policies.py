@@ -1,5 +1,6 @@
 """Save policies: exact gradients, and kept ops absent from the backward's work."""
 
+import dataclasses
 import re
 
 import keras
@@ -47,6 +48,9 @@ POLICIES = {
     "only_names": policies.save_only_these_names("proj", "mlp_out"),
     "except_names": policies.save_anything_except_these_names("proj"),
     "custom": _keep_softmax,
+    "random": policies.random_saveable,
+    "names_and_random": policies.save_from_both_policies(
+        policies.save_only_these_names("mlp_out"), policies.random_saveable),
 }
 
 
@@ -340,3 +344,108 @@ def test_plan_policies_plans_a_real_chain_within_its_prediction():
     wrapped = tight.wrap(layers)
     assert [w is layer for w, layer in zip(wrapped, layers)] == [
         c == "plain" for c in tight.choices]
+
+
+def test_the_swap_makes_no_pass_over_kept_tensors_outside_xla():
+    """Outside XLA a kept tensor waits for the replay's inputs by a control edge
+    (an Identity): no element-wise op over it is added to the backward."""
+    from tf_checkpointing import _residuals
+
+    block = AttentionBlock()
+    block(_x())
+    graph = tf.function(_step(block, policies.dots_saveable, True)).get_concrete_function(
+        _x()).graph
+    swapped = [graph.get_operation_by_name(n) for n in _residuals.substitutions[graph]]
+    assert len(swapped) == 5  # the 4 products and the dropout mask
+    for op in swapped:
+        assert op.type == "Identity" and op.control_inputs, op
+
+
+def _draw_count(policy, checkpoint):
+    from tf_checkpointing._draws import is_draw
+
+    block = AttentionBlock()
+    block(_x())
+    graph = tf.function(_step(block, policy, checkpoint)).get_concrete_function(_x()).graph
+    return sum(is_draw(op.type) for op in _executed(graph))
+
+
+def _jax_dots(out):
+    return policies.dots_saveable(out) and not out.random
+
+
+@pytest.mark.parametrize("name, policy, redrawn", [
+    ("nothing", None, True), ("jax_dots", _jax_dots, True), ("dots", policies.dots_saveable, False),
+    ("dots_no_batch", policies.dots_with_no_batch_dims_saveable, False),
+    ("random", policies.random_saveable, False),
+])
+def test_kept_dropout_masks_are_not_drawn_again(name, policy, redrawn):
+    plain = _draw_count(None, False)
+    assert plain == 2  # the dropout's key/counter and its uniform numbers
+    assert _draw_count(policy, True) == plain * (2 if redrawn else 1)
+
+
+def test_a_policy_is_asked_about_the_mask_not_the_numbers_it_is_made_of():
+    asked = []
+
+    def policy(out):
+        asked.append(out)
+        return False
+
+    block = AttentionBlock()
+    block(_x())
+    tf.function(_step(block, policy, True)).get_concrete_function(_x())
+    drawn = [(r.op_type, r.dtype) for r in asked if r.random]
+    assert drawn == [("GreaterEqual", tf.bool)]  # uniform >= rate, 1 byte an element
+    assert not any("Random" in r.op_type for r in asked)
+
+
+def test_save_from_both_policies_keeps_either_and_round_trips_its_config():
+    both = policies.save_from_both_policies(policies.save_only_these_names("a"),
+                                            policies.random_saveable)
+    record = _record("Identity", ())
+    assert both(dataclasses.replace(record, name="a"))
+    assert both(dataclasses.replace(record, random=True))
+    assert not both(record)
+    again = policies.from_config(policies.to_config(both))
+    assert again.__name__ == both.__name__
+    with pytest.raises(TypeError, match="argument `second` must be a save policy"):
+        policies.save_from_both_policies(policies.dots_saveable, "random")
+
+
+def test_name_policies_skip_their_ops_under_xla():
+    """The swap survives XLA: keeping "proj" spares the replay its product (the
+    "mlp_out" product is not replayed even without a policy: no gradient reads it)."""
+    plain, nothing = _hlo_dots(None, False), _hlo_dots(None, True)
+    assert _hlo_dots(POLICIES["only_names"], True) == nothing - 1 > plain
+
+
+def _layout_step(policy, checkpoint, w, b):
+    body = checkpointable(lambda x: tf.nn.gelu(tf.transpose(tf.nn.bias_add(x @ w, b))),
+                          checkpoint=checkpoint, policy=policy)
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            loss = tf.reduce_sum(body(x) ** 2)
+        return loss, tape.gradient(loss, [x, w, b])
+
+    return step
+
+
+def test_a_kept_product_read_only_by_bias_add_and_transpose_is_kept_after_them(mode):
+    w = tf.Variable(tf.random.stateless_normal([8, 6], seed=[4, 1]))
+    b = tf.Variable(tf.random.stateless_normal([6], seed=[4, 2]))
+    x = tf.random.stateless_normal([5, 8], seed=[4, 3])
+    plain = compile_step(_layout_step(None, False, w, b), mode)(x)
+    assert_all_close(compile_step(_layout_step(policies.dots_saveable, True, w, b), mode)(x),
+                     plain)
+
+    def executed(policy, checkpoint):
+        graph = tf.function(_layout_step(policy, checkpoint, w, b)).get_concrete_function(
+            x).graph
+        return sorted(op.type for op in _executed(graph)
+                      if op.type in ("MatMul", "BiasAdd", "Transpose"))
+
+    assert executed(None, True) != executed(None, False)  # a full replay redoes them
+    assert executed(policies.dots_saveable, True) == executed(None, False)

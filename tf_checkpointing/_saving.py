@@ -3,7 +3,7 @@
 Forward (inside a graph): an op callback sees every op the checkpointed function
 creates, in order, asks the policy about each floating output, and records the
 kept tensors. Replay: the same callback position sees the replayed op and
-returns ``tf.identity(kept forward tensor)`` in place of its outputs. The
+returns the kept forward tensor (see ``_Substitute``) in place of its outputs. The
 generated op wrappers (``gen_*_ops``) hand the callback's tensors, not the op's
 own outputs, both to the code that follows and to the tape
 (``record_gradient(op_type, op.inputs, attrs, outputs)``), and the tape computes
@@ -12,6 +12,12 @@ those inputs and outputs. So downstream ops read the kept value, gradients still
 flow through the op to its inputs and the variables they read (a ``MatMul``'s
 gradient needs only its inputs), and the replayed op itself has no consumer:
 ``tf.function`` prunes it and XLA drops it. Its work is gone from the backward.
+
+Two refinements at the end of the forward (``_Record.finish``): results of
+random draws alone (a dropout mask) are offered to the policy only where the
+rest of the call reads them (``OpOutput.random``), so keeping a mask lets the
+replay skip the draw; and a kept tensor read only by a ``Transpose`` or
+``BiasAdd`` is kept after it instead (same bytes, one pass fewer in the replay).
 
 Replayed ops are matched to recorded ones by position, op type and output
 shapes; a mismatch (a function that builds another graph when replayed) stops
@@ -26,14 +32,16 @@ recomputes everything (the policy changes neither memory nor time there).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any, Callable, Optional
 
 import tensorflow as tf
 from tensorflow.python.framework import op_callbacks
+from tensorflow.python.ops import control_flow_util
 
-from tf_checkpointing import _residuals, policies
+from tf_checkpointing import _draws, _residuals, policies
 from tf_checkpointing._flags import is_checkpointing
 
 __all__ = ["checkpoint_name"]
@@ -44,6 +52,10 @@ _NOT_REPLACEABLE = frozenset((
     "If", "StatelessIf", "While", "StatelessWhile", "Case", "StatelessCase",
     "PartitionedCall", "StatefulPartitionedCall", "Placeholder", "Const",
 ))
+
+# Ops after a kept tensor that need neither their input's value nor its shape in
+# their gradient (see _Record._keep_after_layout_ops).
+_PASS_OVER = frozenset(("Transpose", "BiasAdd"))
 
 _pending = threading.local()
 
@@ -112,10 +124,10 @@ def candidate_outputs(op_type: str, inputs: Any, outputs: Any, op_name: Optional
 
 
 def keeps(policy: Callable[[policies.OpOutput], Any], record: policies.OpOutput) -> bool:
-    """Asks the policy about one floating tensor (integer and boolean results,
-    such as shapes and masks, are never kept: they are cheap or not
-    differentiable)."""
-    if not (record.dtype.is_floating or record.dtype.is_complex):
+    """Asks the policy about one floating tensor, or one drawn at random (a
+    dropout mask). Other integer and boolean results, such as shapes, are never
+    kept: they are cheap to recompute."""
+    if not (record.dtype.is_floating or record.dtype.is_complex or record.random):
         return False
     return bool(policy(record))
 
@@ -150,6 +162,8 @@ class Saver:
             yield
         finally:
             op_callbacks.remove_op_callback(callback)
+        if isinstance(callback, _Record):
+            callback.finish()
 
     @property
     def kept(self) -> list[tf.Tensor]:
@@ -157,46 +171,104 @@ class Saver:
 
 
 class _Record:
+    """Asks the policy about each op of the forward as it is created; about ops
+    computed from random draws alone (the draws, ``uniform >= rate``) only at
+    the end (``finish``), and only about their results that the rest of the
+    call reads: a dropout mask, not the uniform numbers it was made from."""
+
     def __init__(self, saver: Saver) -> None:
         self.saver = saver
         self.graph = tf.compat.v1.get_default_graph()
+        self.drawn_ops: set[str] = set()
+        # (position in saver.ops, record, tensor) of each candidate drawn output
+        self.drawn: list[tuple[int, policies.OpOutput, tf.Tensor]] = []
+        self.positions: dict[str, int] = {}  # op name -> position in saver.ops
 
     def __call__(self, op_type, inputs, attrs, outputs, op_name=None, graph=None):
         if graph is not self.graph:
             return outputs
+        drawn = op_name is not None and self._drawn(op_type, inputs)
+        if drawn:
+            self.drawn_ops.add(op_name)
         records = candidate_outputs(op_type, inputs, outputs, op_name, graph)
         if records is None:
             return outputs
-        kept = {r.index: outputs[r.index] for r in records if keeps(self.saver.policy, r)}
+        position, kept = len(self.saver.ops), {}
+        self.positions[op_name] = position
+        if drawn:
+            self.drawn.extend((position, dataclasses.replace(r, random=True), outputs[r.index])
+                              for r in records)
+        else:
+            kept = {r.index: outputs[r.index] for r in records if keeps(self.saver.policy, r)}
         self.saver.ops.append((op_type, tuple(tuple(t.shape) for t in outputs), kept))
         return outputs
 
+    def _drawn(self, op_type: str, inputs: Sequence[tf.Tensor]) -> bool:
+        return _draws.computed_from_draws(op_type, inputs, self.drawn_ops)
+
+    def finish(self) -> None:
+        for position, record, tensor in self.drawn:
+            read_outside = any(op.name not in self.drawn_ops for op in tensor.consumers())
+            if read_outside and keeps(self.saver.policy, record):
+                self.saver.ops[position][2][record.index] = tensor
+        for _, _, kept in list(self.saver.ops):
+            for index, tensor in list(kept.items()):
+                self._keep_after_layout_ops(kept, index, tensor)
+
+    def _keep_after_layout_ops(self, kept: dict[int, tf.Tensor], index: int,
+                               tensor: tf.Tensor) -> None:
+        """A kept tensor whose only reader is a ``Transpose`` or ``BiasAdd`` is
+        kept after it instead: the same bytes, and the replay skips that pass
+        over it (whose gradient reads neither its input nor its output)."""
+        readers = tensor.consumers()
+        while (len(readers) == 1 and readers[0].type in _PASS_OVER
+               and readers[0].inputs[0].name == tensor.name
+               and readers[0].name in self.positions):
+            del kept[index]
+            kept = self.saver.ops[self.positions[readers[0].name]][2]
+            index, tensor = 0, readers[0].outputs[0]
+            kept[index] = tensor
+            readers = tensor.consumers()
+
 
 class _Substitute:
-    """Replaces kept ops' outputs in a replay by ``kept + zero``, where ``zero``
-    is computed from the replay's inputs, which depend on the incoming gradient
-    (``_recompute._fresh_copies``). Without that dependency the ops downstream
-    of a kept tensor would depend on forward tensors only, and the executor or
-    XLA would run them during the forward and hold their results until the
-    backward: more memory than no checkpointing at all."""
+    """Replaces kept ops' outputs in a replay by the kept tensors, made to wait
+    for the replay's inputs, which depend on the incoming gradient
+    (``_recompute._fresh_copies``). Without that wait the ops downstream of a
+    kept tensor would depend on forward tensors only, and the executor or XLA
+    would run them during the forward and hold their results until the
+    backward: more memory than no checkpointing at all.
+
+    The wait costs no pass over the kept tensor where it can: in a graph run by
+    TensorFlow's executor it is a control edge (``Identity`` with a control
+    input; Grappler moves the edge to the consumers and drops the identity). XLA
+    ignores control edges between pure ops, so there the kept tensor gets an
+    opaque ``+ 0`` (``and True`` for a mask), which XLA fuses into its
+    consumers: no extra pass either."""
 
     def __init__(self, saver: Saver, inputs: Sequence[tf.Tensor]) -> None:
         self.saver = saver
         self.graph = tf.compat.v1.get_default_graph()
+        self.xla = control_flow_util.GraphOrParentsInXlaContext(self.graph)
         self.position = 0
         self.broken = False
         self.anchor = next((t for t in inputs if t.shape.num_elements() != 0), None)
-        self.zero: Optional[tf.Tensor] = None
+        self.true: Optional[tf.Tensor] = None
 
     def _after_gradient(self, kept: tf.Tensor) -> tf.Tensor:
         if self.anchor is None:
             return tf.identity(kept)
-        if self.zero is None:
+        if not self.xla:
+            with tf.control_dependencies([self.anchor]):
+                return tf.identity(kept)
+        if self.true is None:
             first = tf.reshape(self.anchor, [-1])[:1]
             as_bool = tf.cast(tf.reduce_max(tf.cast(first, tf.float32)), tf.bool)
-            # Always zero (a bool equals itself), but no optimizer can prove it.
-            self.zero = tf.where(tf.equal(as_bool, as_bool), 0.0, float("nan"))
-        return kept + tf.cast(self.zero, kept.dtype)
+            # Always true (a bool equals itself), but no optimizer can prove it.
+            self.true = tf.equal(as_bool, as_bool)
+        if kept.dtype == tf.bool:
+            return tf.logical_and(kept, self.true)
+        return kept + tf.cast(tf.where(self.true, 0.0, float("nan")), kept.dtype)
 
     def __call__(self, op_type, inputs, attrs, outputs, op_name=None, graph=None):
         if self.broken or graph is not self.graph:

@@ -40,7 +40,9 @@ __all__ = [
     "dots_with_no_batch_dims_saveable",
     "everything_saveable",
     "nothing_saveable",
+    "random_saveable",
     "save_anything_except_these_names",
+    "save_from_both_policies",
     "save_only_these_names",
 ]
 
@@ -59,6 +61,10 @@ class OpOutput:
         index: which output of the op this is (0 for single-output ops).
         attrs: the op's attributes that policies may need (e.g. ``"equation"``
             of an ``Einsum``), as Python values.
+        random: True for a tensor computed from random draws alone (and
+            constants) that the rest of the call reads: a dropout mask
+            (``uniform >= rate``, boolean), additive noise. Policies are asked
+            about such a tensor only there, not about the draws it is made of.
     """
 
     op_type: str
@@ -69,6 +75,7 @@ class OpOutput:
     input_shapes: tuple[tf.TensorShape, ...] = ()
     index: int = 0
     attrs: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False)
+    random: bool = False
 
 
 Policy = Callable[[OpOutput], bool]
@@ -97,20 +104,38 @@ def everything_saveable(out: OpOutput) -> bool:
     return True
 
 
+def random_saveable(out: OpOutput) -> bool:
+    """Keep what the call draws at random where the rest of the call reads it:
+    dropout masks (boolean, 1 byte an element), additive noise. The replay then
+    draws nothing (``OpOutput.random``)."""
+    return out.random
+
+
 def dots_saveable(out: OpOutput) -> bool:
     """Keep the outputs of matrix products and convolutions (``MatMul``,
     ``BatchMatMulV2/V3``, ``Einsum``, ``Conv2D``/``Conv3D``,
-    ``DepthwiseConv2dNative`` and their fused forms), replay the rest.
-    TF1's ``checkpoints='speed'``, JAX's ``dots_saveable``."""
-    return out.op_type in DOT_OPS or out.op_type in CONV_OPS
+    ``DepthwiseConv2dNative`` and their fused forms) and the dropout masks
+    (:func:`random_saveable`), replay the rest. TF1's ``checkpoints='speed'``;
+    JAX's ``dots_saveable`` plus the masks.
+
+    Why the masks, which JAX's policy does not keep: TensorFlow's random number
+    generation is slow on CPU (drawing a GPT-2 block's three dropout masks costs
+    more than its softmax, nearly as much as its dense products), so replaying
+    it took about a third of this policy's replay time, while a mask costs a
+    quarter of a float activation of the same shape (measured in
+    docs/save-policies.md). JAX's exact choice:
+    ``lambda out: dots_saveable(out) and not out.random``."""
+    return out.op_type in DOT_OPS or out.op_type in CONV_OPS or out.random
 
 
 def dots_with_no_batch_dims_saveable(out: OpOutput) -> bool:
     """Keep the outputs of matrix products that have no batch dimension, as JAX
     defines it: a dimension of both operands that is neither contracted nor
     broadcast (attention's ``q @ k^T`` per head has one, a ``Dense`` layer's
-    ``x @ kernel`` has none, even on a 3-D ``x``). Convolutions are not kept."""
-    if out.op_type in ("MatMul", "_FusedMatMul", "_MklMatMul", "_MklFusedMatMul"):
+    ``x @ kernel`` has none, even on a 3-D ``x``), and the dropout masks (as
+    :func:`dots_saveable`). Convolutions are not kept."""
+    if out.random or out.op_type in ("MatMul", "_FusedMatMul", "_MklMatMul",
+                                     "_MklFusedMatMul"):
         return True
     if out.op_type.startswith("BatchMatMul") or out.op_type == "_FusedBatchMatMulV2":
         ranks = [s.rank for s in out.input_shapes]
@@ -118,6 +143,35 @@ def dots_with_no_batch_dims_saveable(out: OpOutput) -> bool:
     if out.op_type == "Einsum":
         return not _einsum_batch_labels(out.attrs.get("equation"))
     return False
+
+
+def save_from_both_policies(first: Policy, second: Policy) -> Policy:
+    """A policy keeping what either policy keeps (JAX's combinator).
+
+    Example:
+        >>> from tf_checkpointing import policies
+        >>> keep = policies.save_from_both_policies(
+        ...     policies.save_only_these_names("attention_out"), policies.random_saveable)
+    """
+    for argument, policy in (("first", first), ("second", second)):
+        if not callable(policy):
+            raise TypeError(
+                f"policies.save_from_both_policies: argument `{argument}` must be a save "
+                f"policy (a callable taking an OpOutput); received {policy!r} of type "
+                f"{type(policy).__name__}. Pass e.g. policies.random_saveable.")
+
+    def policy(out: OpOutput) -> bool:
+        return bool(first(out)) or bool(second(out))
+
+    name = f"save_from_both_policies({_name(first)}, {_name(second)})"
+    policy.__name__ = policy.__qualname__ = name
+    policy._config = ("save_from_both_policies",  # type: ignore[attr-defined]
+                      [to_config(first), to_config(second)])
+    return policy
+
+
+def _name(policy: Policy) -> str:
+    return getattr(policy, "__name__", repr(policy))
 
 
 def _einsum_batch_labels(equation: Any) -> set[str]:
@@ -218,6 +272,9 @@ def from_config(config: Any) -> Any:
     if isinstance(config, (list, tuple)) and len(config) == 2 and config[0] in (
             "save_only_these_names", "save_anything_except_these_names"):
         return getattr(_module(), config[0])(*config[1])
+    if isinstance(config, (list, tuple)) and len(config) == 2 and (
+            config[0] == "save_from_both_policies"):
+        return save_from_both_policies(*(from_config(c) for c in config[1]))
     if isinstance(config, dict):
         import keras
 
