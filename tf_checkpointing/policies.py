@@ -153,21 +153,21 @@ def save_from_both_policies(first: Policy, second: Policy) -> Policy:
         >>> keep = policies.save_from_both_policies(
         ...     policies.save_only_these_names("attention_out"), policies.random_saveable)
     """
-    for argument, policy in (("first", first), ("second", second)):
-        if not callable(policy):
+    for argument, given in (("first", first), ("second", second)):
+        if not callable(given):
             raise TypeError(
                 f"policies.save_from_both_policies: argument `{argument}` must be a save "
-                f"policy (a callable taking an OpOutput); received {policy!r} of type "
-                f"{type(policy).__name__}. Pass e.g. policies.random_saveable.")
+                f"policy (a callable taking an OpOutput); received {given!r} of type "
+                f"{type(given).__name__}. Pass e.g. policies.random_saveable.")
 
-    def policy(out: OpOutput) -> bool:
+    def either(out: OpOutput) -> bool:
         return bool(first(out)) or bool(second(out))
 
     name = f"save_from_both_policies({_name(first)}, {_name(second)})"
-    policy.__name__ = policy.__qualname__ = name
-    policy._config = ("save_from_both_policies",  # type: ignore[attr-defined]
+    either.__name__ = either.__qualname__ = name
+    either._config = ("save_from_both_policies",  # type: ignore[attr-defined]
                       [to_config(first), to_config(second)])
-    return policy
+    return either
 
 
 def _name(policy: Policy) -> str:
