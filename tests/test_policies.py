@@ -263,6 +263,9 @@ def test_policy_on_checkpoint_sequential_and_checkpointed_sequential():
     ).policy is policies.dots_saveable
 
 
+# Two single Dense layers of a small Sequential model: the selection warns that it
+# saves little memory (tested in test_whole_model.py); here only the policy matters.
+@pytest.mark.filterwarnings("ignore:apply_checkpointing. checkpointing these")
 def test_policy_on_apply_checkpointing():
     from tf_checkpointing import apply_checkpointing
 
