@@ -325,3 +325,23 @@ def test_budget_min_is_the_least_memory_schedule_on_every_chain_api(mode):
 def test_a_budget_string_other_than_min_names_the_choices(budget):
     with pytest.raises(TypeError, match=r'number of bytes or "min".*budget="min"'):
         CheckpointedSequential(_layers(n=2), budget=budget)
+
+
+def test_identical_layers_share_one_graph_profile(monkeypatch):
+    # A transformer's blocks: the same class, configuration and weight shapes on the
+    # same input shapes are traced and measured once; a different layer is not.
+    from tf_checkpointing.planning import _graph_profile
+
+    measured = []
+    original = _graph_profile._graph_layer
+    monkeypatch.setattr(_graph_profile, "_graph_layer",
+                        lambda call, x, device, name: measured.append(name) or original(
+                            call, x, device, name))
+    keras.utils.set_random_seed(0)
+    layers = [keras.layers.Dense(32, activation="relu", name=f"same{i}") for i in range(5)]
+    layers.append(keras.layers.Dense(16, name="other"))
+    plan = plan_sequential(layers, tf.random.normal([64, 32]), budget=2**40, mode="graph")
+    assert measured == ["same0", "other"], measured
+    profiled = plan.profile.layers
+    assert [p.name for p in profiled] == [layer.name for layer in layers]
+    assert len({(p.kept_bytes, p.backward_peak_bytes) for p in profiled[:5]}) == 1

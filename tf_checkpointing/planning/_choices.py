@@ -34,6 +34,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_checkpointing import policies as _policies
+from tf_checkpointing.planning._profile import layer_key
 
 __all__ = ["PolicyChoices", "expect_policies", "measure_choices"]
 
@@ -202,14 +203,7 @@ def _signature(layer: Any, x: Any) -> Any:
     configuration (but the name), weight shapes and input shapes."""
     shapes = tuple((tuple(t.shape), t.dtype.name) for t in tf.nest.flatten(x)
                    if hasattr(t, "dtype"))
-    try:
-        config = dict(layer.get_config())
-        config.pop("name", None)
-        described = repr(sorted(config.items()))
-    except Exception:  # not a Keras layer, or one without a config: measured alone
-        return id(layer), shapes
-    weights = tuple(tuple(v.shape) for v in getattr(layer, "weights", ()))
-    return type(layer), described, weights, shapes
+    return layer_key(layer), shapes
 
 
 def _sync(values: Any) -> None:

@@ -16,6 +16,8 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, Callable, Optional
 
+import tensorflow as tf
+
 from tf_checkpointing._state import StateRecorder
 from tf_checkpointing.planning._allocator import concrete_inputs, in_fresh_thread, memory_device
 from tf_checkpointing.planning._graph_profile import graph_plain_peak, graph_profile
@@ -31,7 +33,8 @@ __all__: list[str] = []
 def profile_chain(calls: Sequence[Callable[[Any], Any]], inputs: Any, *,
                   names: Sequence[str], api: str, compiled: bool = False,
                   same_as: Optional[Sequence[int]] = None, xla: bool = False,
-                  applied: bool = False) -> ChainProfile:
+                  applied: bool = False,
+                  layer_keys: Optional[Sequence[Any]] = None) -> ChainProfile:
     """Runs the chain ``calls`` on ``inputs`` and measures each layer.
 
     ``calls[i](x)`` runs layer ``i`` (with its keywords bound). Runs eagerly in
@@ -50,21 +53,47 @@ def profile_chain(calls: Sequence[Callable[[Any], Any]], inputs: Any, *,
     plain step consumes each weight gradient as soon as it is made, as an
     optimizer inside the step does (``Model.fit``: the executor runs each
     variable's update when its gradient is ready, and frees the gradient), so
-    the weight gradients are not all held at the end.
+    the weight gradients are not all held at the end. Instead of ``same_as``,
+    ``layer_keys`` (equal for layers of the same class, configuration and
+    weight shapes, e.g. from :func:`layer_key`) make the calls whose keys and
+    input shapes are equal share one reading: a transformer's identical blocks
+    are traced and measured once.
     """
     return in_fresh_thread(_profile, calls, inputs, names, api, compiled, same_as, xla,
-                           applied)
+                           applied, layer_keys)
+
+
+def layer_key(layer: Any, keywords: Any = None) -> Any:
+    """What makes two layers compute the same thing on the same input shapes:
+    class, configuration but the name, weight shapes and call keywords (a
+    layer without a configuration is only itself)."""
+    try:
+        config = dict(layer.get_config())
+        config.pop("name", None)
+        described = repr((sorted(config.items()), sorted((keywords or {}).items())))
+    except Exception:  # noqa: BLE001 - not a Keras layer, or no config
+        return ("unique", id(layer))
+    weights = tuple(tuple(v.shape) for v in getattr(layer, "weights", ()))
+    return type(layer), described, weights
 
 
 def _profile(calls, inputs, names, api, compiled, same_as=None, xla=False,
-             applied=False) -> ChainProfile:
+             applied=False, layer_keys=None) -> ChainProfile:
     x = concrete_inputs(inputs, api)
     device = memory_device(x, api)
     recorder = StateRecorder()
     with recorder:  # records, eagerly, the state the layers write, to put it back
         try:
-            for call in calls:  # build the layers (and trace inner tf.functions)
+            keys: list[Any] = []
+            for i, call in enumerate(calls):  # build the layers (and inner tf.functions)
+                if layer_keys is not None:
+                    keys.append((layer_keys[i], tuple(
+                        (tuple(t.shape), t.dtype.name) for t in tf.nest.flatten(x)
+                        if hasattr(t, "dtype"))))
                 x = call(x)
+            if layer_keys is not None and same_as is None:
+                first: dict[Any, int] = {}
+                same_as = [first.setdefault(key, i) for i, key in enumerate(keys)]
             x = concrete_inputs(inputs, api)
             if compiled:
                 profile = graph_profile(calls, x, device, names,
