@@ -45,17 +45,14 @@ def build(name: str, tiny: bool) -> tuple[Any, Any, list[list[str]], int]:
     import tensorflow as tf
 
     keras.utils.set_random_seed(0)
-    if name == "resnet50":
+    # keras.applications models: constructor, and the layer-name prefix of a block.
+    applications = {"resnet50": (keras.applications.ResNet50, r"^(conv\d_block\d+)_"),
+                    "mobilenetv2": (keras.applications.MobileNetV2, r"^(block_\d+)_")}
+    if name in applications:
+        build, prefix = applications[name]
         size, batch = (64, 4) if tiny else (128, 16)
-        model = keras.applications.ResNet50(weights=None, input_shape=(size, size, 3),
-                                            classes=10)
-        blocks = _blocks_by_prefix(model, r"^(conv\d_block\d+)_")
-        return model, lambda b: tf.random.normal([b, size, size, 3]), blocks, batch
-    if name == "mobilenetv2":
-        size, batch = (64, 4) if tiny else (128, 16)
-        model = keras.applications.MobileNetV2(weights=None, input_shape=(size, size, 3),
-                                               classes=10)
-        blocks = _blocks_by_prefix(model, r"^(block_\d+)_")
+        model = build(weights=None, input_shape=(size, size, 3), classes=10)
+        blocks = _blocks_by_prefix(model, prefix)
         return model, lambda b: tf.random.normal([b, size, size, 3]), blocks, batch
     if name == "unet":
         return (*_unet(16 if tiny else 64, 4 if tiny else 16), 2 if tiny else 8)
