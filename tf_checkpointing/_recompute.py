@@ -322,14 +322,20 @@ def _after_replay(variable_grads: Sequence[Any], all_grads: Sequence[Any]) -> li
 def _fresh_copies(inputs: list[tf.Tensor], output_grads: Sequence[Any]) -> list[tf.Tensor]:
     """One new tensor per input position (the same tensor passed twice must get
     two separate gradients). Inside a graph they also depend on the incoming
-    gradient, so the replay cannot be scheduled before it is needed, nor merged
-    with the forward by Grappler or XLA (which would keep every activation)."""
+    gradients, so the replay cannot be scheduled before it is needed, nor merged
+    with the forward by Grappler or XLA (which would keep every activation).
+
+    On every incoming gradient, not only the first: a region with several
+    outputs (a U-Net encoder block returns its skip and its pooled output) gets
+    the skip's gradient long before the pooled one, and a replay waiting only
+    for the first ran during the backward of every later region, holding its
+    activations on top of theirs (U-Net least plan: 29.5 MiB instead of 23)."""
     if tf.executing_eagerly():
         return [tf.identity(x) for x in inputs]
-    grad = next((g for g in output_grads if g is not None and g.dtype != tf.variant), None)
-    if grad is None:
+    grads = _incoming(output_grads)
+    if not grads:
         return [tf.identity(x) for x in inputs]
-    zero = _opaque_zero([grad])
+    zero = _opaque_zero(grads)
     # A TensorArray's flow (a variant) cannot be added to: it is copied, and the
     # other inputs carry the dependency on the gradient.
     return [tf.identity(x) if x.dtype == tf.variant else x + tf.cast(zero, x.dtype)
@@ -344,8 +350,8 @@ def _after_gradient(leaves: Sequence[Any], positions: Sequence[int],
     inputs are all integer, as a model's embedding and first block) could run
     as soon as the backward starts, holding their activations while the later
     calls' backward runs (on GPT-2, +35 MiB over the least plan's peak)."""
-    grad = next((g for g in output_grads if g is not None and g.dtype != tf.variant), None)
-    if tf.executing_eagerly() or grad is None:
+    grads = _incoming(output_grads)
+    if tf.executing_eagerly() or not grads:
         return None
     taken = set(positions)
     # A constant keeps its static value (shapes may be computed from it).
@@ -354,13 +360,18 @@ def _after_gradient(leaves: Sequence[Any], positions: Sequence[int],
                and tf.get_static_value(leaf) is None]
     if not pending:
         return None
-    zero = _opaque_zero([grad])
+    zero = _opaque_zero(grads)
     ordered = list(leaves)
     for i in pending:
         leaf = leaves[i]
         ordered[i] = (tf.logical_or(leaf, tf.cast(zero, tf.bool)) if leaf.dtype.is_bool
                       else leaf + tf.cast(zero, leaf.dtype))
     return ordered
+
+
+def _incoming(output_grads: Sequence[Any]) -> list[Any]:
+    """The gradients a replay waits for: every one present (not a variant's)."""
+    return [g for g in output_grads if g is not None and g.dtype != tf.variant]
 
 
 def _opaque_zero(grads: Sequence[Any]) -> tf.Tensor:

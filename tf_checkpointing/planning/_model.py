@@ -31,6 +31,7 @@ from tf_checkpointing.planning._plan import ModelPlan
 from tf_checkpointing.planning._profile import profile_chain
 from tf_checkpointing.planning._region_solver import nested_options, solve
 from tf_checkpointing.planning._regions import GraphCosts, RegionModel
+from tf_checkpointing.planning._saved_inputs import saved_inputs
 
 __all__ = ["ModelPlan", "plan_model"]
 
@@ -199,15 +200,21 @@ def _profile(graph: LayerGraph, inputs: Any, *, mode: str,
     # The profile puts back the state it changes; under a distribution strategy
     # (mirrored seed and BatchNorm variables) its recorder misses some, so the
     # model's non-trainable variables are also saved and put back here.
+    same = _repeats(graph)
     state = [v for v in graph.model.non_trainable_variables]
     saved = in_fresh_thread(lambda: [v.numpy() for v in state])
     try:
         profile = profile_chain(calls, start, names=[c.name for c in graph.calls], api=api,
-                                compiled=mode != "eager", same_as=_repeats(graph),
+                                compiled=mode != "eager", same_as=same,
                                 xla=mode == "xla", applied=mode != "eager")
     finally:
         in_fresh_thread(lambda: [v.assign(value) for v, value in zip(state, saved)])
     readers = graph.consumers()
+    saved = saved_inputs(graph, same)
+    outputs = set(graph.output_keys)
+    # The last call whose backward reads each tensor (n: a model output, -1: none).
+    saver_last = [n if k in outputs else max((i for i in readers.get(k, []) if k in saved[i]),
+                                              default=-1) for k in keys]
     layers = profile.layers
     costs = GraphCosts(
         kept=np.array([p.kept_bytes for p in layers], float),
@@ -226,7 +233,8 @@ def _profile(graph: LayerGraph, inputs: Any, *, mode: str,
         readers=[readers.get(k, []) for k in keys],
         floating=np.array([sizes.get(k, (0, False))[1] for k in keys]),
         own_wgrad=np.array([0 if mode == "eager" else p.weight_grad_bytes for p in layers],
-                           float))
+                           float),
+        saver_last=np.array(saver_last))
     return profile, costs
 
 

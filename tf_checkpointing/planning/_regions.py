@@ -79,6 +79,8 @@ class GraphCosts:
     ``size, producer, last, readers``: per tensor: bytes, the call making it
     (-1 for a model input), the last call reading it (``n`` for an output),
     and whether it is floating (``floating``).
+    ``saver_last``: per tensor, the last call whose backward reads it (-1: none,
+    ``n`` for an output); None: every reader's (``last``).
     """
 
     kept: np.ndarray
@@ -94,6 +96,7 @@ class GraphCosts:
     readers: list
     floating: np.ndarray
     own_wgrad: Optional[np.ndarray] = None
+    saver_last: Optional[np.ndarray] = None
 
     @property
     def n(self) -> int:
@@ -127,6 +130,7 @@ class RegionModel:
         rows = np.arange(n + 1)
         self.live = made_prefix[rows[None, :] + 1, rows[None, :]] - made_prefix[rows[:, None] + 1,
                                                                                  rows[None, :]]
+        self._forward_only(costs)
         # enter[a, c]: floating bytes made before a and read in [a, c) (the
         # replay's fresh copies of its inputs).
         self.enter = np.zeros((n + 1, n + 1))
@@ -147,7 +151,8 @@ class RegionModel:
         own_prefix = np.concatenate([[0.0], np.cumsum(own)])
         for a in range(n):
             k = np.arange(a, n)
-            ckpt = np.maximum.accumulate(self.live[a, k] + costs.fwd0[k])
+            ckpt = np.maximum.accumulate(self.live[a, k] + costs.fwd0[k]
+                                         + self.passing[a, k])
             back = np.maximum.accumulate(self.kept_prefix[k + 1] - self.kept_prefix[a]
                                          + costs.dx[k + 1] + w_suffix[k + 1] + costs.bwd[k]
                                          - own_prefix[k])
@@ -156,12 +161,55 @@ class RegionModel:
         self._w_suffix, self.plain_scale = w_suffix, 1.0
         self.rescale_plain(plain_scale)
 
+    def _forward_only(self, costs: GraphCosts) -> None:
+        """The tables of tensors that no backward after some cut reads.
+
+        A tensor made in ``[a, c)`` and read after ``c`` only by calls whose
+        backward does not read it (a U-Net skip read by ``Concatenate``) is free
+        once the forward read it: the region does not hold it for the backward
+        (``held_live``). If a later region reads it, that region keeps it as
+        its input until its backward (``kept_in``: charged there, not where it
+        was made). In the forward it is alive until its last read
+        (``passing``: counted in the forward peaks of the calls it passes).
+        """
+        n = self.n
+        saver = costs.last if costs.saver_last is None else np.minimum(costs.saver_last,
+                                                                         costs.last)
+        rows = np.arange(n + 1)
+        held_alive = np.zeros((n + 1, n + 1))   # as by_made_alive, until the last saver
+        free_alive = np.zeros((n + 1, n + 1))   # alive in the forward, past the last saver
+        self.kept_in = np.zeros((n + 1, n + 1))
+        for t, (size, p, last) in enumerate(zip(costs.size, costs.producer, costs.last)):
+            if p < 0:  # a model input: allocated before the step, never counted
+                continue
+            held_alive[p + 1, p + 1:saver[t] + 1] += size
+            free_alive[p + 1, max(p, saver[t]) + 1:last + 1] += size
+            reads = sorted(r for r in costs.readers[t] if r > saver[t] and r > p)
+            # A region [a, c) with a > saver[t] reading it keeps it (its first read r >= a).
+            at = 0
+            for a in range(max(p, saver[t]) + 1, (reads[-1] + 1) if reads else 0):
+                while reads[at] < a:
+                    at += 1
+                self.kept_in[a, reads[at] + 1:] += size
+        held_prefix = np.vstack([np.zeros((1, n + 1)), np.cumsum(held_alive, axis=0)])
+        self.held_live = (held_prefix[rows[None, :] + 1, rows[None, :]]
+                          - held_prefix[rows[:, None] + 1, rows[None, :]])
+        # passing[a, k]: forward-only bytes made before a, alive at cut k.
+        self.passing = np.vstack([np.zeros((1, n + 1)), np.cumsum(free_alive, axis=0)])[1:]
+        # Outputs of plain call k that no backward reads: not held by its tape.
+        free_out = np.zeros(n)
+        for size, p, s in zip(costs.size, costs.producer, saver):
+            if p >= 0 and s <= p:
+                free_out[p] += size
+        self.free_out = free_out
+
     def rescale_plain(self, scale: float) -> None:
         """Sets ``plain_scale``: the need and held bytes of each plain call."""
         costs, k = self.costs, np.arange(self.n)
         self.plain_scale = scale
-        self.plain_held = scale * costs.kept
-        self.plain_need = np.maximum(scale * costs.fwd, scale * (costs.kept + costs.bwd)
+        self.plain_held = scale * np.maximum(costs.kept - self.free_out, 0.0)
+        self.plain_need = np.maximum(scale * costs.fwd + self.passing[k, k],
+                                     scale * (costs.kept + costs.bwd)
                                      + costs.dx[k + 1] + self._w_suffix[k + 1])
 
     def in_replay(self) -> RegionModel:
@@ -174,14 +222,15 @@ class RegionModel:
     def need(self, a: int, c: int, checkpointed: bool) -> float:
         """Peak of running ``[a, c)`` (forward and backward) above what is held before."""
         if checkpointed:
-            return max(self.fwd_ckpt[a, c], self.bwd_region[a, c] + self.enter[a, c])
+            return max(self.fwd_ckpt[a, c],
+                       self.bwd_region[a, c] + self.enter[a, c] + self.kept_in[a, c])
         assert c == a + 1  # plain runs are planned call by call
         return float(self.plain_need[a])
 
     def held(self, a: int, c: int, checkpointed: bool) -> float:
         """Bytes ``[a, c)`` leaves held for the backward."""
         if checkpointed:
-            return float(self.live[a, c])
+            return float(self.held_live[a, c] + self.kept_in[a, c])
         return float(self.plain_held[a:c].sum())
 
     def peak(self, spans: tuple = (), start: int = 0, stop: Optional[int] = None) -> float:
@@ -193,7 +242,8 @@ class RegionModel:
             need = self.need(a, c, checkpointed)
             if inner:
                 replay = self.in_replay().peak(inner, a, c)
-                need = max(self.fwd_ckpt[a, c], replay + self.enter[a, c])
+                need = max(self.fwd_ckpt[a, c],
+                           replay + self.enter[a, c] + self.kept_in[a, c])
             if checkpointed and k + 1 < len(cover) and not cover[k + 1][2]:
                 need += self.plain_held[c]  # the plain call after it, still held
             peak = max(peak, held + need)
