@@ -192,7 +192,7 @@ def test_a_plan_with_policies_keeps_its_budget(request):
         tc.apply_checkpointing(model, plan=plan)
         step = make_step()
         step(x)
-        peak = min(tc.peak_memory(lambda: step(x).numpy()) for _ in range(3))
+        peak = min(tc.peak_memory(lambda step=step: step(x).numpy()) for _ in range(3))
         results.append((fraction, peak / 2**20, budget / 2**20, str(plan)))
         assert peak <= budget, results
     assert any("replayed with" in r[3] for r in results), results

@@ -10,8 +10,9 @@ entering the region and returns every tensor of it read later (and the model
 outputs it makes). The layers are called as in the plain model, so autocast,
 dropout seeds and BatchNorm updates happen exactly as there, and the replay
 machinery replays them. A region the plan replays under a save policy passes
-it to ``checkpointed_call``, which keeps what it picks (as ``checkpointable(policy=)``). The layers, their weights and the saved model do not
-change; only this instance runs differently.
+it to ``checkpointed_call``, which keeps what it picks (as
+``checkpointable(policy=)`` does). The layers, their weights and the saved
+model do not change; only this instance runs differently.
 
 With a budget, the plan is made on the first call that can take a gradient
 and is not an inference call (``training=False``: ``evaluate``, ``predict``,

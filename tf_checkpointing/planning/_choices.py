@@ -133,19 +133,22 @@ def measure_choices(layers: Sequence[Any], routed: Sequence[dict], inputs: Any,
 def measure_calls(calls: Sequence[Callable[[Any], Any]], inputs: Sequence[Any],
                   variables: Sequence[list], same_as: Sequence[int],
                   policies: tuple[Any, ...], *, xla: bool = False, repeats: int = 7,
-                  time_all: bool = True) -> PolicyChoices:
+                  time_all: bool = True, max_rounds: Optional[int] = None) -> PolicyChoices:
     """What each policy keeps and costs, per call: ``calls[i](inputs[i])`` runs
     call ``i`` (reading ``variables[i]``); ``same_as[i] = j`` says call ``i``
     computes what call ``j`` does (it gets ``j``'s readings). Without
     ``time_all``, a call where no policy keeps anything a full replay does not
     is not timed (its policies are full replays: ``policy_seconds`` is
-    ``replay_seconds``, both NaN). The caller puts back the state the calls change."""
+    ``replay_seconds``, both NaN) and the plain call's bytes are not listed
+    (``kept_fraction`` is then of nothing: zero). ``max_rounds`` caps the timing
+    rounds of a call. The caller puts back the state the calls change."""
     measured: dict[int, tuple[np.ndarray, np.ndarray, float, np.ndarray]] = {}
     for i, j in enumerate(same_as):
         if j == i:
             # A measurement that stands for several calls gets more rounds (up to
             # 4x): its noise would count once per call.
             rounds = repeats * min(list(same_as).count(i), 4)
+            rounds = rounds if max_rounds is None else min(rounds, max_rounds)
             measured[i] = _measure_call(calls[i], inputs[i], list(variables[i]), policies,
                                         xla, rounds, time_all)
     rows = [measured[j] for j in same_as]
@@ -178,10 +181,12 @@ def _measure_call(fn: Callable[[Any], Any], x: Any, variables: list[Any],
 
         if kept(checkpointable(fn, checkpoint=True, policy=any_policy)) == 0:
             return nothing
-    plain, replay = kept(calls["plain"]), kept(calls["replay"])
+    # The model planner uses the bytes themselves: no trace of the plain call.
+    plain = kept(calls["plain"]) if time_all else 0
+    replay = kept(calls["replay"])
     kept_by = [kept(calls[i]) for i in range(len(policies))]
     extra_bytes = np.array([max(k - replay, 0) for k in kept_by], float)
-    fraction = np.minimum(extra_bytes / max(plain, 1), 1.0)
+    fraction = np.minimum(extra_bytes / max(plain, 1), 1.0) if time_all else zeros
     if time_all:
         extra = step_extra_seconds(calls, x, variables, xla, repeats)
         return (fraction, np.array([extra[i] for i in range(len(policies))]), extra["replay"],

@@ -32,7 +32,11 @@ from tf_checkpointing.planning._graph import GraphCall, LayerGraph, last_uses, r
 
 __all__: list[str] = []
 
-_REPEATS = 5  # timing rounds per distinct call (more for repeated ones)
+# Timing rounds per distinct call, more for repeated ones (up to _MAX_ROUNDS):
+# ResNet50's 21 convolutions with a policy's pick took 54 s of timing with the
+# chain planner's 5 to 20 rounds, on 2 loaded cores.
+_REPEATS = 3
+_MAX_ROUNDS = 8
 
 
 def graph_choices(graph: LayerGraph, inputs: Any, policies: tuple[Any, ...],
@@ -80,7 +84,7 @@ def _measure(graph: LayerGraph, inputs: Any, policies: tuple[Any, ...], same_as:
         variables = [list(getattr(call.layer, "trainable_variables", ()))
                      for call in graph.calls]
         return measure_calls(calls, arguments, variables, same_as, policies, xla=xla,
-                             repeats=_REPEATS, time_all=False)
+                             repeats=_REPEATS, time_all=False, max_rounds=_MAX_ROUNDS)
     finally:
         for variable, value in zip(state, saved):
             variable.assign(value)
