@@ -11,7 +11,9 @@ checkpointing (a plan whose regions are exactly the model's blocks, which is
 what ``checkpointable`` on each block runs), ``budget="min"`` and budgets
 between the least and plain; plans for an XLA step are measured under
 ``jit_compile=True``. Peaks come from the BFC allocator; step times are
-medians, as ratios to plain in the same process.
+medians, as ratios to plain in the same process. For the decoder (gpt2), the
+budget plans are also made with ``policies="auto"`` (a save policy per region),
+and plain and the budget plans are timed again in interleaved rounds.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ from benchmarks import _cli  # noqa: E402
 
 MIB = 2**20
 MODELS = ("resnet50", "unet", "mobilenetv2", "gpt2")
+# Models whose budget plans are also made with save policies (policies="auto"):
+# the decoder, where keeping the products pays (issue 11's target).
+POLICY_MODELS = ("gpt2",)
 
 
 def build(name: str, tiny: bool) -> tuple[Any, Any, list[list[str]], int]:
@@ -120,8 +125,9 @@ def _unet(image: int, channels: int) -> tuple[Any, Any, list[list[str]]]:
     return model, lambda b: tf.random.normal([b, image, image, 3]), blocks
 
 
-def worker(name: str, tiny: bool, budgets: int) -> list[dict]:
-    """Measures every strategy on one model (run in its own process)."""
+def worker(name: str, tiny: bool, budgets: int, only: str = "", rounds: int = 5) -> list[dict]:
+    """Measures every strategy on one model (run in its own process); with
+    ``only`` (a regular expression), the strategies whose names match it (and plain)."""
     import keras
     import tensorflow as tf
 
@@ -133,6 +139,10 @@ def worker(name: str, tiny: bool, budgets: int) -> list[dict]:
     model(x)
     optimizer = keras.optimizers.SGD(1e-3)
     rows: list[dict] = []
+    steps: dict[str, Any] = {}  # traced tf.function steps, for the interleaved timing
+
+    def wanted(strategy: str) -> bool:
+        return strategy == "plain" or not only or re.search(only, strategy) is not None
 
     def step_fn(jit: bool) -> Any:
         def step(x: Any) -> Any:
@@ -156,6 +166,8 @@ def worker(name: str, tiny: bool, budgets: int) -> list[dict]:
             times.append(time.perf_counter() - started)
         row = dict(model=name, strategy=strategy, xla=jit, peak_mib=peak / MIB,
                    step_s=statistics.median(times), **extra)
+        if not jit:
+            steps[strategy] = (step, inputs)
         print(json.dumps(row), file=sys.stderr, flush=True)
         rows.append(row)
         return row
@@ -166,7 +178,7 @@ def worker(name: str, tiny: bool, budgets: int) -> list[dict]:
             vars(layer).pop("call", None)
 
     plain = measure("plain")
-    if name in ("resnet50", "unet"):
+    if name in ("resnet50", "unet") and wanted("per-layer"):
         for cls in ("Conv2D", "BatchNormalization", "Activation"):
             tc.apply_checkpointing(model, [getattr(keras.layers, cls)])
             measure(f"per-layer {cls}")
@@ -180,9 +192,12 @@ def worker(name: str, tiny: bool, budgets: int) -> list[dict]:
     names = list(least.call_names)
     spans = tuple((names.index(b[0]), names.index(b[-1]) + 1, ()) for b in blocks)
     hand = ModelPlan(least.call_names, spans, "graph", None, 0, 0, 0)
-    tc.apply_checkpointing(model, plan=hand)
-    measure("hand-written per-block", regions=len(spans))
+    if wanted("hand-written per-block"):
+        tc.apply_checkpointing(model, plan=hand)
+        measure("hand-written per-block", regions=len(spans))
     for fraction in [0.0] + [(k + 1) / (budgets + 1) for k in range(budgets)]:
+        if not wanted("budget=min" if fraction == 0.0 else f"budget {fraction:.2f}"):
+            continue
         if fraction == 0.0:
             plan = least
         else:
@@ -194,8 +209,14 @@ def worker(name: str, tiny: bool, budgets: int) -> list[dict]:
                 budget_mib=(plan.budget_bytes or plan.min_budget_bytes) / MIB,
                 predicted_mib=plan.predicted_peak_bytes / MIB, fraction=fraction,
                 plan_s=plan_s if fraction == 0.0 else None, regions=len(plan.spans),
-                extra_forward=plan.extra_forward_layers)
+                extra_forward=plan.extra_forward_layers,
+                predicted_extra_ms=plan.predicted_extra_seconds * 1e3)
+    if name in POLICY_MODELS:
+        _with_policies(model, x, least, measure, wanted)
+        _interleaved(name, steps, rounds, rows)
     reset()
+    if not wanted("XLA"):
+        return rows
     measure("plain", jit=True)
     xla_half = None
     try:
@@ -216,21 +237,80 @@ def worker(name: str, tiny: bool, budgets: int) -> list[dict]:
     return rows
 
 
+def _with_policies(model: Any, x: Any, least: Any, measure: Any, wanted: Any) -> None:
+    """The budget plans made with ``policies="auto"`` beside those without: at the
+    halfway budget (as "budget 0.50") and at half the plain peak (issue 11's target
+    on the decoder: at most 1.15x plain's step time, within the budget)."""
+    import tf_checkpointing as tc
+
+    halfway = int(least.min_budget_bytes + 0.5 * (least.plain_peak_bytes - least.min_budget_bytes))
+    half_plain = least.plain_peak_bytes // 2
+    for label, budget, policies in (("budget 0.50 policies=auto", halfway, "auto"),
+                                    ("budget 1/2 plain", half_plain, None),
+                                    ("budget 1/2 plain policies=auto", half_plain, "auto")):
+        if not wanted(label) or budget < least.min_budget_bytes:
+            continue
+        started = time.perf_counter()
+        plan = tc.plan_model(model, x, budget=budget, mode="graph", policies=policies)
+        plan_s = time.perf_counter() - started
+        tc.apply_checkpointing(model, plan=plan)
+        kept = sum(p is not None for p in plan.region_policies)
+        measure(label, budget_mib=budget / MIB, predicted_mib=plan.predicted_peak_bytes / MIB,
+                plan_s=plan_s, regions=len(plan.spans), policy_regions=kept,
+                extra_forward=plan.extra_forward_layers,
+                predicted_extra_ms=plan.predicted_extra_seconds * 1e3)
+        print(plan, file=sys.stderr, flush=True)
+
+
+def _interleaved(name: str, steps: dict, rounds: int, rows: list[dict]) -> None:
+    """Step time x plain of the budget plans, timed in interleaved rounds (each
+    round runs every step once, in a rotating order; the median of the per-round
+    ratios): on a shared machine the one-after-another medians drift."""
+    names = [s for s in steps if s == "plain" or s.startswith("budget 0.50")
+             or s.startswith("budget 1/2 plain")]
+    if len(names) < 2:
+        return
+    ratios: dict[str, list[float]] = {s: [] for s in names}
+    for k in range(rounds):
+        order = names[k % len(names):] + names[:k % len(names)]
+        seconds = {}
+        for strategy in order:
+            step, inputs = steps[strategy]
+            started = time.perf_counter()
+            step(inputs).numpy()
+            seconds[strategy] = time.perf_counter() - started
+        for strategy in names:
+            ratios[strategy].append(seconds[strategy] / seconds["plain"])
+    for row in rows:
+        if row["model"] == name and not row.get("xla") and row["strategy"] in ratios:
+            row["step_x_plain_interleaved"] = statistics.median(ratios[row["strategy"]])
+            row["interleaved_rounds"] = rounds
+    print(json.dumps({s: round(statistics.median(r), 3) for s, r in ratios.items()}),
+          file=sys.stderr, flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="small shapes (smoke test)")
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--budgets", type=int, default=3, help="budgets between min and plain")
+    parser.add_argument("--only", default="", help="a regular expression: run only the "
+                        "strategies whose names match it (and plain), e.g. 'budget 0.50|"
+                        "1/2 plain'; 'XLA' selects the XLA rows")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="interleaved timing rounds of the policy comparison")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     _cli.add_output_arguments(parser)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.worker, args.tiny, args.budgets)))
+        print(json.dumps(worker(args.worker, args.tiny, args.budgets, args.only,
+                                args.rounds)))
         return
     env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="3")
     rows: list[dict] = []
     for name in args.models.split(","):
-        command = [sys.executable, __file__, "--worker", name, "--budgets", str(args.budgets)]
+        command = [sys.executable, __file__, "--worker", name, "--budgets", str(args.budgets),
+                   "--only", args.only, "--rounds", str(args.rounds)]
         done = subprocess.run(command + (["--tiny"] if args.tiny else []), env=env,
                               capture_output=True, text=True, check=False)
         if done.returncode != 0:

@@ -37,3 +37,4 @@ def _forget_planned_chains():
 
     _planner._profiles.clear()
     _model_planner._profiles.clear()
+    _model_planner._choices.clear()

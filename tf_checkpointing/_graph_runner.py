@@ -9,8 +9,10 @@ flattened graph (:mod:`tf_checkpointing.planning._graph`) in the order Keras'
 entering the region and returns every tensor of it read later (and the model
 outputs it makes). The layers are called as in the plain model, so autocast,
 dropout seeds and BatchNorm updates happen exactly as there, and the replay
-machinery replays them. The layers, their weights and the saved model do not
-change; only this instance runs differently.
+machinery replays them. A region the plan replays under a save policy passes
+it to ``checkpointed_call``, which keeps what it picks (as
+``checkpointable(policy=)`` does). The layers, their weights and the saved
+model do not change; only this instance runs differently.
 
 With a budget, the plan is made on the first call that can take a gradient
 and is not an inference call (``training=False``: ``evaluate``, ``predict``,
@@ -49,8 +51,9 @@ class GraphRunner:
     def __init__(self, graph: LayerGraph, *, plan: Optional[ModelPlan] = None,
                  budget: Optional[int] = None, mode: str = "auto",
                  original_call: Any = None, force_seed: bool = False,
-                 check: Any = False) -> None:
+                 check: Any = False, policies: tuple[Any, ...] = ()) -> None:
         self.graph = graph
+        self.policies = policies  # the candidates for the plan made for `budget`
         self.force_seed, self.check = force_seed, check
         self.plan = plan
         self.budget = budget
@@ -82,19 +85,23 @@ class GraphRunner:
         else:
             if self.plan is None:
                 self.plan = plan_graph(self.graph, inputs, self.budget,
-                                       mode=step_mode(self.mode), api=_API)
-            self._run_spans(env, 0, n, self.plan.spans, context)
+                                       mode=step_mode(self.mode), api=_API,
+                                       policies=self.policies)
+            self._run_spans(env, 0, n, self.plan.spans, context, self.plan.region_policies)
         outputs = [env[k] for k in self.graph.output_keys]
         return unpack_singleton(keras.tree.pack_sequence_as(
             functional._outputs_struct, outputs))  # noqa: SLF001
 
     def _run_spans(self, env: dict[Key, Any], start: int, stop: int, spans: tuple,
-                   context: dict) -> None:
-        """Runs ``[start, stop)``, the ``(start, stop, inner)`` spans checkpointed."""
+                   context: dict, policies: tuple = ()) -> None:
+        """Runs ``[start, stop)``, the ``(start, stop, inner)`` spans checkpointed,
+        each under the save policy at its position in ``policies`` (None or
+        missing: a full replay)."""
         at = start
-        for a, c, inner in spans:
+        for k, (a, c, inner) in enumerate(spans):
             self._run(env, at, a, context)
-            self._run_checkpointed(env, a, c, inner, context)
+            policy = policies[k] if k < len(policies) else None
+            self._run_checkpointed(env, a, c, inner, context, policy)
             at = c
         self._run(env, at, stop, context)
 
@@ -111,7 +118,7 @@ class GraphRunner:
                 del env[key]
 
     def _run_checkpointed(self, env: dict[Key, Any], start: int, stop: int, inner: tuple,
-                          context: dict) -> None:
+                          context: dict, policy: Any = None) -> None:
         calls = self.graph.calls[start:stop]
         made = {k for call in calls for k in call.out_keys}
         entering = list(dict.fromkeys(k for call in calls for k in call.in_keys
@@ -141,7 +148,7 @@ class GraphRunner:
         private = [k for k, key in enumerate(leaving) if key not in model_outputs]
         out, out_masks = checkpointed_call(region, (values, masks), {},
                                            force_seed=self.force_seed, check=self.check,
-                                           private_outputs=private)
+                                           policy=policy, private_outputs=private)
         for key, value, m in zip(leaving, out, out_masks):
             if m is not None:
                 set_keras_mask(value, m)
@@ -150,7 +157,8 @@ class GraphRunner:
 
 
 def install(model: Any, *, plan: Optional[ModelPlan] = None, budget: Optional[int] = None,
-            mode: str = "auto", force_seed: bool = False, check: Any = False) -> GraphRunner:
+            mode: str = "auto", force_seed: bool = False, check: Any = False,
+            policies: tuple[Any, ...] = ()) -> GraphRunner:
     """Makes ``model`` run its graph by ``plan`` (or by the plan for ``budget``
     made on its first training call): replaces the instance's ``call``."""
     graph = read_graph(model, _API)
@@ -167,7 +175,7 @@ def install(model: Any, *, plan: Optional[ModelPlan] = None, budget: Optional[in
     original = current.original_call if isinstance(current, GraphRunner) else None
     runner = GraphRunner(graph, plan=plan, budget=budget, mode=mode,
                          original_call=original or type(model).call,
-                         force_seed=force_seed, check=check)
+                         force_seed=force_seed, check=check, policies=policies)
     # Plain object.__setattr__: nothing for Keras or TensorFlow to track.
     object.__setattr__(model, "call", runner)
     return runner

@@ -46,6 +46,7 @@ def apply_checkpointing(
     force_seed: bool = False,
     check: Union[bool, str] = False,
     policy: Any = None,
+    policies: Any = None,
 ) -> list[keras.layers.Layer]:
     """Checkpoints the chosen layers of an existing model, in place.
 
@@ -89,7 +90,11 @@ def apply_checkpointing(
             ``tf.random`` ops exactly; Keras random layers need nothing).
         check: passed to :func:`checkpointable` (verify each replay).
         policy: passed to :func:`checkpointable`: a save policy
-            (:mod:`tf_checkpointing.policies`) for the chosen layers.
+            (:mod:`tf_checkpointing.policies`) for the chosen layers (with
+            ``select`` only).
+        policies: with ``budget``, the save policies the planner may replay each
+            region under (as for :func:`plan_model`): None (full replays only),
+            ``"auto"``, or a list of policies.
 
     Returns:
         The layers now checkpointed, in model order (with ``budget`` or
@@ -97,7 +102,9 @@ def apply_checkpointing(
 
     Raises:
         ValueError: a name matches no layer, or the selection chooses nothing.
-        TypeError: ``model`` is not a Keras layer, or ``select`` has another type.
+        TypeError: ``model`` is not a Keras layer, ``select`` has another type,
+            ``policies`` is not None, ``"auto"`` or a list of policies, or
+            ``policy`` is given with ``budget`` or ``plan``.
 
     Example:
         >>> import keras
@@ -129,15 +136,23 @@ def apply_checkpointing(
     if select is None:
         if policy is not None:
             raise TypeError(
-                "apply_checkpointing: argument `policy` cannot be combined with `budget` or "
-                f"`plan` yet (the region planner models full replays only); received "
-                f"policy={policy!r} with {given[0]}. Pass either budget=... (regions chosen "
-                "for you) or select=[...] with policy=... (a save policy per chosen layer)."
+                "apply_checkpointing: argument `policy` (one save policy for chosen layers) "
+                f"cannot be combined with `budget` or `plan`; received policy={policy!r} "
+                f"with {given[0]}. To let the planner choose a save policy per region, pass "
+                "policies=[...] (or policies='auto') with budget=...; or select=[...] with "
+                "policy=... for a save policy on chosen layers."
             )
         checkpoint_whole_model(model, budget=budget, plan=plan, force_seed=force_seed,
-                               check=check)
+                               check=check, policies=policies)
         _forget_traced_steps(model)
         return [model]
+    if policies is not None:
+        raise TypeError(
+            "apply_checkpointing: argument `policies` is for the planner (with `budget`), "
+            f"but layers were chosen with `select`; received policies={policies!r} with "
+            "select. Pass policy=... for one save policy on the chosen layers, or "
+            "budget=... with policies=... to let the planner choose per region."
+        )
     candidates = model._flatten_layers(include_self=False, recursive=True)  # noqa: SLF001
     if not candidates:
         raise ValueError(

@@ -20,6 +20,7 @@ from typing import Any, Optional
 import keras
 
 from tf_checkpointing._graph_runner import install
+from tf_checkpointing.planning._choices import expect_policies
 from tf_checkpointing.planning._graph import functional_of, read_graph
 from tf_checkpointing.planning._model import expect_model_budget
 from tf_checkpointing.planning._plan import ModelPlan
@@ -48,17 +49,26 @@ _KEEP_INPUT = (
 
 def checkpoint_whole_model(model: Any, *, budget: Any = None,
                            plan: Optional[ModelPlan] = None, force_seed: bool = False,
-                           check: Any = False) -> None:
+                           check: Any = False, policies: Any = None) -> None:
     """Installs the graph runner on ``model`` for ``plan``, or for ``budget``
-    (planned on the first training call)."""
+    (planned on the first training call, choosing among ``policies``)."""
     if plan is not None and not isinstance(plan, ModelPlan):
         raise TypeError(
             f"{_API}: argument `plan` must be a ModelPlan from plan_model; received "
             f"{plan!r} of type {type(plan).__name__}. Make one with "
             "plan_model(model, inputs, budget=...)."
         )
+    candidates = expect_policies(policies, _API)
+    if plan is not None and candidates:
+        raise TypeError(
+            f"{_API}: argument `policies` chooses save policies while planning for a "
+            f"budget, but a plan was given (its regions' policies are in it); received "
+            f"policies={policies!r} with plan. Pass plan_model(model, inputs, budget=..., "
+            "policies=...) as plan=, or budget=... with policies=..."
+        )
     bytes_ = None if plan is not None else expect_model_budget(budget, _API)
-    install(model, plan=plan, budget=bytes_, force_seed=force_seed, check=check)
+    install(model, plan=plan, budget=bytes_, force_seed=force_seed, check=check,
+            policies=candidates)
 
 
 def warn_if_costly(model: Any, chosen: list[Any]) -> None:

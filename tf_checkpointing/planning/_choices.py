@@ -25,10 +25,11 @@ noise).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
 import time
 from collections.abc import Sequence
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import numpy as np
 import tensorflow as tf
@@ -96,12 +97,15 @@ class PolicyChoices:
             full replay's, as a fraction of what the plain layer keeps.
         policy_seconds: ``[layer, policy]``, the step time it adds to plain's.
         replay_seconds: ``[layer]``, the step time a full replay adds to plain's.
+        kept_bytes: ``[layer, policy]``, the bytes the policy keeps beyond a full
+            replay's (as :func:`~tf_checkpointing.saved_residuals` lists them).
     """
 
     policies: tuple[Any, ...]
     kept_fraction: np.ndarray
     policy_seconds: np.ndarray
     replay_seconds: np.ndarray
+    kept_bytes: Optional[np.ndarray] = None
 
 
 def measure_choices(layers: Sequence[Any], routed: Sequence[dict], inputs: Any,
@@ -116,48 +120,93 @@ def measure_choices(layers: Sequence[Any], routed: Sequence[dict], inputs: Any,
         for layer, kw in zip(layers[:-1], routed):
             xs.append(layer(xs[-1], **kw))
         keys = [_signature(layer, x) for layer, x in zip(layers, xs)]
-        measured: dict[Any, tuple[np.ndarray, np.ndarray, float]] = {}
-        for layer, kw, x, key in zip(layers, routed, xs, keys):
-            if key not in measured:
-                # A measurement that stands for several layers gets more rounds
-                # (up to 4x): its noise would count once per layer.
-                rounds = repeats * min(keys.count(key), 4)
-                measured[key] = _measure_layer(layer, kw, x, policies, xla, rounds)
-        rows = [measured[key] for key in keys]
+        first: dict[Any, int] = {}
+        same_as = [first.setdefault(key, i) for i, key in enumerate(keys)]
+        calls = [functools.partial(_call_layer, layer, kw) for layer, kw in zip(layers, routed)]
+        variables = [list(getattr(layer, "trainable_variables", ())) for layer in layers]
+        return measure_calls(calls, xs, variables, same_as, policies, xla=xla, repeats=repeats)
     finally:
         for variable, value in zip(state, before):
             variable.assign(value)
+
+
+def measure_calls(calls: Sequence[Callable[[Any], Any]], inputs: Sequence[Any],
+                  variables: Sequence[list], same_as: Sequence[int],
+                  policies: tuple[Any, ...], *, xla: bool = False, repeats: int = 7,
+                  time_all: bool = True, max_rounds: Optional[int] = None) -> PolicyChoices:
+    """What each policy keeps and costs, per call: ``calls[i](inputs[i])`` runs
+    call ``i`` (reading ``variables[i]``); ``same_as[i] = j`` says call ``i``
+    computes what call ``j`` does (it gets ``j``'s readings). Without
+    ``time_all``, a call where no policy keeps anything a full replay does not
+    is not timed (its policies are full replays: ``policy_seconds`` is
+    ``replay_seconds``, both NaN) and the plain call's bytes are not listed
+    (``kept_fraction`` is then of nothing: zero). ``max_rounds`` caps the timing
+    rounds of a call. The caller puts back the state the calls change."""
+    measured: dict[int, tuple[np.ndarray, np.ndarray, float, np.ndarray]] = {}
+    for i, j in enumerate(same_as):
+        if j == i:
+            # A measurement that stands for several calls gets more rounds (up to
+            # 4x): its noise would count once per call.
+            rounds = repeats * min(list(same_as).count(i), 4)
+            rounds = rounds if max_rounds is None else min(rounds, max_rounds)
+            measured[i] = _measure_call(calls[i], inputs[i], list(variables[i]), policies,
+                                        xla, rounds, time_all)
+    rows = [measured[j] for j in same_as]
     return PolicyChoices(policies, np.array([r[0] for r in rows]).reshape(len(rows), -1),
                          np.array([r[1] for r in rows]).reshape(len(rows), -1),
-                         np.array([r[2] for r in rows], float))
+                         np.array([r[2] for r in rows], float),
+                         np.array([r[3] for r in rows], float).reshape(len(rows), -1))
 
 
-def _measure_layer(layer: Any, kw: dict, x: Any, policies: tuple[Any, ...], xla: bool,
-                   repeats: int) -> tuple[np.ndarray, np.ndarray, float]:
-    from tf_checkpointing import saved_residuals
+def _measure_call(fn: Callable[[Any], Any], x: Any, variables: list[Any],
+                  policies: tuple[Any, ...], xla: bool, repeats: int,
+                  time_all: bool) -> tuple[np.ndarray, np.ndarray, float, np.ndarray]:
+    from tf_checkpointing import checkpointable, saved_residuals
 
     calls: dict[Any, Callable[[Any], Any]] = {
-        "plain": _call(layer, kw, None, plain=True), "replay": _call(layer, kw, None)}
-    calls.update({i: _call(layer, kw, p) for i, p in enumerate(policies)})
+        "plain": fn, "replay": checkpointable(fn, checkpoint=True)}
+    calls.update({i: checkpointable(fn, checkpoint=True, policy=p)
+                  for i, p in enumerate(policies)})
 
     def kept(call: Callable[[Any], Any]) -> int:
         return sum(r.bytes for r in saved_residuals(call, x) if r.kind == "activation")
 
-    plain, replay = kept(calls["plain"]), kept(calls["replay"])
-    fraction = np.array([min(max(kept(calls[i]) - replay, 0) / max(plain, 1), 1.0)
-                         for i in range(len(policies))])
-    extra = step_extra_seconds(calls, x, list(getattr(layer, "trainable_variables", ())), xla,
-                           repeats)
-    return fraction, np.array([extra[i] for i in range(len(policies))]), extra["replay"]
+    zeros = np.zeros(len(policies))
+    nothing = zeros, np.full(len(policies), np.nan), float("nan"), zeros
+    if not time_all:
+        # Most calls of a model (normalizations, activations, adds) have nothing
+        # a policy keeps: one trace with all the policies at once tells.
+        def any_policy(out: Any) -> bool:
+            return any(policy(out) for policy in policies)
+
+        if kept(checkpointable(fn, checkpoint=True, policy=any_policy)) == 0:
+            return nothing
+    # The model planner uses the bytes themselves: no trace of the plain call.
+    plain = kept(calls["plain"]) if time_all else 0
+    replay = kept(calls["replay"])
+    kept_by = [kept(calls[i]) for i in range(len(policies))]
+    extra_bytes = np.array([max(k - replay, 0) for k in kept_by], float)
+    fraction = np.minimum(extra_bytes / max(plain, 1), 1.0) if time_all else zeros
+    if time_all:
+        extra = step_extra_seconds(calls, x, variables, xla, repeats)
+        return (fraction, np.array([extra[i] for i in range(len(policies))]), extra["replay"],
+                extra_bytes)
+    if not extra_bytes.any():
+        return nothing
+    # Only the policies that keep something, and one of those keeping the same
+    # bytes (the same tensors, as a rule: both "auto" policies on a Dense), are
+    # timed; the others are full replays.
+    timed = {kept_by[i]: i for i in reversed(range(len(policies))) if extra_bytes[i] > 0}
+    extra = step_extra_seconds({name: calls[name] for name in ["plain", "replay",
+                                                               *timed.values()]},
+                               x, variables, xla, repeats)
+    seconds = np.array([extra[timed[kept_by[i]]] if extra_bytes[i] > 0 else extra["replay"]
+                        for i in range(len(policies))])
+    return fraction, seconds, extra["replay"], extra_bytes
 
 
-def _call(layer: Any, kw: dict, policy: Any, plain: bool = False) -> Callable[[Any], Any]:
-    from tf_checkpointing import checkpointable
-
-    if plain:
-        return lambda x: layer(x, **kw)
-    wrapped = checkpointable(layer, checkpoint=True, policy=policy)
-    return lambda x: wrapped(x, **kw)
+def _call_layer(layer: Any, kw: dict, x: Any) -> Any:
+    return layer(x, **kw)
 
 
 def step_extra_seconds(calls: dict[Any, Callable[[Any], Any]], x: Any, variables: list[Any],

@@ -187,6 +187,25 @@ def tensor_keys(graph: LayerGraph) -> list[Key]:
     return list(dict.fromkeys(keys))
 
 
+def repeated_calls(graph: LayerGraph) -> list[int]:
+    """For each call, the first call that computes the same thing: the same
+    layer class and configuration (but the name) on the same argument shapes."""
+    first: dict[Any, int] = {}
+    same_as = []
+    for i, call in enumerate(graph.calls):
+        try:
+            config = dict(call.layer.get_config())
+            config.pop("name", None)
+            shapes = [(tuple(t.shape), str(t.dtype)) for t in call.arguments.keras_tensors]
+            arguments = call.arguments.convert(lambda v: "T" if hasattr(v, "shape") else v)
+            key = repr((type(call.layer), sorted(config.items()), shapes, arguments,
+                        [tuple(w.shape) for w in call.layer.weights]))
+        except Exception:  # noqa: BLE001 - no config: profiled on its own
+            key = repr(("unique", i))
+        same_as.append(first.setdefault(key, i))
+    return same_as
+
+
 def chain_break(layers: list[Any]) -> Optional[str]:
     """Why ``layers`` (e.g. ``model.layers`` of a functional model) is not a
     chain, from the graph their calls recorded; None when it may be one.

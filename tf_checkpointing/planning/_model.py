@@ -19,13 +19,16 @@ import tensorflow as tf
 
 from tf_checkpointing.planning._allocator import in_fresh_thread, in_xla_context
 from tf_checkpointing.planning._chain import _expect_budget
+from tf_checkpointing.planning._choices import PolicyChoices, expect_policies
 from tf_checkpointing.planning._graph import (
     LayerGraph,
     last_uses,
     read_graph,
+    repeated_calls,
     run_call,
     tensor_keys,
 )
+from tf_checkpointing.planning._graph_choices import graph_choices, policy_arrays
 from tf_checkpointing.planning._layer_profile import ChainProfile
 from tf_checkpointing.planning._plan import ModelPlan
 from tf_checkpointing.planning._profile import profile_chain
@@ -40,10 +43,12 @@ _HEADROOM = 0.10
 _MODES = ("auto", "eager", "graph", "xla")
 _CACHE_SIZE = 4
 _profiles: dict[Any, tuple[Any, ChainProfile, GraphCosts]] = {}
+_choices: dict[Any, tuple[Any, PolicyChoices]] = {}
 Budget = Union[int, float, str]
 
 
-def plan_model(model: Any, inputs: Any, *, budget: Budget, mode: str = "auto") -> ModelPlan:
+def plan_model(model: Any, inputs: Any, *, budget: Budget, mode: str = "auto",
+               policies: Any = None) -> ModelPlan:
     """Plans which regions of a functional model to checkpoint for a memory budget.
 
     Reads the model's layer graph (functional models, ``keras.Sequential``, and
@@ -54,6 +59,13 @@ def plan_model(model: Any, inputs: Any, *, budget: Budget, mode: str = "auto") -
     :mod:`tf_checkpointing.planning._regions` for the algorithm). The model is
     not changed: pass the plan to ``apply_checkpointing(model, plan=plan)``.
 
+    With ``policies``, a region may also be replayed under a save policy: it
+    keeps what the policy picks inside it (the matrix products, say) besides
+    its inputs, and its replay skips those ops. Each distinct layer call is
+    measured under each policy (bytes kept, and its ``tf.function`` training
+    step timed as the chain planner times its layers), so planning takes longer;
+    in eager mode a policy keeps nothing, so ``policies`` is unused there.
+
     Args:
         model: a built functional or Sequential Keras model.
         inputs: a batch of its inputs at the training batch size.
@@ -63,6 +75,12 @@ def plan_model(model: Any, inputs: Any, *, budget: Budget, mode: str = "auto") -
             ``Model.fit``), ``"xla"`` (``jit_compile=True``), or ``"auto"``:
             ``"xla"`` or ``"graph"`` while such a function is traced, else
             ``"eager"``.
+        policies: the save policies a region may be replayed under: None (the
+            default: plain calls and full replays only), ``"auto"``
+            (``policies.dots_saveable`` and
+            ``policies.dots_with_no_batch_dims_saveable``), or a list of
+            policies in which ``"auto"`` stands for those two, as for
+            :func:`plan_sequential`.
 
     Returns:
         A :class:`ModelPlan`.
@@ -70,6 +88,7 @@ def plan_model(model: Any, inputs: Any, *, budget: Budget, mode: str = "auto") -
     Raises:
         ValueError: the budget is below the least any plan needs (the message
             gives it), or the model's graph cannot be read.
+        TypeError: ``policies`` is not None, ``"auto"`` or a list of policies.
 
     Example (with ``TF_CPU_ALLOCATOR_USE_BFC=true`` set before TensorFlow is imported):
         >>> import keras, tensorflow as tf
@@ -90,8 +109,9 @@ def plan_model(model: Any, inputs: Any, *, budget: Budget, mode: str = "auto") -
             "step, mode='xla' for jit_compile=True, mode='eager' for an eager step."
         )
     budget_bytes = expect_model_budget(budget, _API)
+    candidates = expect_policies(policies, _API)
     graph = read_graph(model, _API)
-    return plan_graph(graph, inputs, budget_bytes, mode=mode, api=_API)
+    return plan_graph(graph, inputs, budget_bytes, mode=mode, api=_API, policies=candidates)
 
 
 def expect_model_budget(budget: Any, api: str) -> Optional[int]:
@@ -108,22 +128,30 @@ def expect_model_budget(budget: Any, api: str) -> Optional[int]:
 
 
 def plan_graph(graph: LayerGraph, inputs: Any, budget: Optional[int], *, mode: str,
-               api: str) -> ModelPlan:
-    """The plan for ``graph`` (profiled on ``inputs``) and ``budget`` (None: least)."""
+               api: str, policies: tuple[Any, ...] = ()) -> ModelPlan:
+    """The plan for ``graph`` (profiled on ``inputs``) and ``budget`` (None: least),
+    choosing among the (validated) save ``policies`` per region."""
     mode = step_mode(mode)
+    if mode == "eager":  # a policy keeps nothing in eager mode: no choice
+        policies = ()
     profile, costs = _cached_profile(graph, inputs, mode, api)
+    if policies:
+        choices = _cached_choices(graph, inputs, mode, api, policies)
+        kept, cost = policy_arrays(choices, costs.kept, costs.cost)
+        costs = dataclasses.replace(costs, policy_kept=kept, policy_cost=cost)
     region_model = _calibrated(costs, profile.plain_peak_bytes)
     nested = nested_options(region_model)
-    least = solve(region_model, None, nested=nested)
+    least = solve(region_model, None, nested=nested, with_policies=True)
     assert least is not None  # every call alone, checkpointed or not, is a plan
     min_peak = int(math.ceil(least[0] / (1 - _HEADROOM)))
     plain_peak = profile.plain_peak_bytes
     names = tuple(call.name for call in graph.calls)
     plan = ModelPlan(call_names=names, spans=(), mode=mode, budget_bytes=budget,
                      predicted_peak_bytes=int(region_model.peak(())),
-                     plain_peak_bytes=plain_peak, min_budget_bytes=min(min_peak, plain_peak))
+                     plain_peak_bytes=plain_peak, min_budget_bytes=min(min_peak, plain_peak),
+                     policies=policies, predicted_extra_seconds=0.0)
     if budget is None:
-        spans = least[1]
+        spans, chosen = least[1], least[2]
     elif budget >= plain_peak:
         return plan
     elif budget < plan.min_budget_bytes:
@@ -136,10 +164,14 @@ def plan_graph(graph: LayerGraph, inputs: Any, budget: Optional[int], *, mode: s
             "smaller batch."
         )
     else:
-        found = solve(region_model, budget * (1 - _HEADROOM), nested=nested)
-        spans = found[1] if found is not None else least[1]
-    return dataclasses.replace(plan, spans=spans,
-                               predicted_peak_bytes=int(region_model.peak(spans)))
+        found = solve(region_model, budget * (1 - _HEADROOM), nested=nested,
+                      with_policies=True)
+        spans, chosen = (found or least)[1], (found or least)[2]
+    return dataclasses.replace(
+        plan, spans=spans, predicted_peak_bytes=int(region_model.peak(spans, policies=chosen)),
+        region_policies=tuple(policies[p] if p >= 0 else None for p in chosen)
+        if policies else (),
+        predicted_extra_seconds=region_model.extra_work(spans, chosen))
 
 
 def step_mode(mode: str) -> str:
@@ -173,14 +205,31 @@ def _cached_profile(graph: LayerGraph, inputs: Any, mode: str,
                     api: str) -> tuple[ChainProfile, GraphCosts]:
     """The profile, measured once per model, input shapes and mode (the last
     few are kept, with their models, so that their ids stay theirs)."""
-    shapes = tuple((tuple(leaf.shape), str(leaf.dtype)) for leaf in tf.nest.flatten(inputs)
-                   if hasattr(leaf, "shape"))
-    key = (id(graph.model), len(graph.calls), shapes, mode)
+    key = _key(graph, inputs, mode)
     if key not in _profiles:
         _profiles[key] = (graph.model, *_profile(graph, inputs, mode=mode, api=api))
         while len(_profiles) > _CACHE_SIZE:
             _profiles.pop(next(iter(_profiles)))
     return _profiles[key][1], _profiles[key][2]
+
+
+def _cached_choices(graph: LayerGraph, inputs: Any, mode: str, api: str,
+                    policies: tuple[Any, ...]) -> PolicyChoices:
+    """The policies measured on the graph, once per model, input shapes, mode and
+    policies (as the profile)."""
+    key = (*_key(graph, inputs, mode), policies)
+    if key not in _choices:
+        _choices[key] = (graph.model, graph_choices(
+            graph, inputs, policies, repeated_calls(graph), xla=mode == "xla", api=api))
+        while len(_choices) > _CACHE_SIZE:
+            _choices.pop(next(iter(_choices)))
+    return _choices[key][1]
+
+
+def _key(graph: LayerGraph, inputs: Any, mode: str) -> tuple:
+    shapes = tuple((tuple(leaf.shape), str(leaf.dtype)) for leaf in tf.nest.flatten(inputs)
+                   if hasattr(leaf, "shape"))
+    return (id(graph.model), len(graph.calls), shapes, mode)
 
 
 def _profile(graph: LayerGraph, inputs: Any, *, mode: str,
@@ -200,7 +249,7 @@ def _profile(graph: LayerGraph, inputs: Any, *, mode: str,
     # The profile puts back the state it changes; under a distribution strategy
     # (mirrored seed and BatchNorm variables) its recorder misses some, so the
     # model's non-trainable variables are also saved and put back here.
-    same = _repeats(graph)
+    same = repeated_calls(graph)
     state = [v for v in graph.model.non_trainable_variables]
     saved = in_fresh_thread(lambda: [v.numpy() for v in state])
     try:
@@ -236,25 +285,6 @@ def _profile(graph: LayerGraph, inputs: Any, *, mode: str,
                            float),
         saver_last=np.array(saver_last))
     return profile, costs
-
-
-def _repeats(graph: LayerGraph) -> list[int]:
-    """For each call, the first call that computes the same thing: the same
-    layer class and configuration (but the name) on the same argument shapes."""
-    first: dict[Any, int] = {}
-    same_as = []
-    for i, call in enumerate(graph.calls):
-        try:
-            config = dict(call.layer.get_config())
-            config.pop("name", None)
-            shapes = [(tuple(t.shape), str(t.dtype)) for t in call.arguments.keras_tensors]
-            arguments = call.arguments.convert(lambda v: "T" if hasattr(v, "shape") else v)
-            key = repr((type(call.layer), sorted(config.items()), shapes, arguments,
-                        [tuple(w.shape) for w in call.layer.weights]))
-        except Exception:  # noqa: BLE001 - no config: profiled on its own
-            key = repr(("unique", i))
-        same_as.append(first.setdefault(key, i))
-    return same_as
 
 
 def _costs(seconds: np.ndarray) -> np.ndarray:

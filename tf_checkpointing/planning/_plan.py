@@ -176,7 +176,16 @@ class ModelPlan:
             as the model predicts it.
         plain_peak_bytes: measured peak of the plain step.
         min_budget_bytes: the least budget accepted: the least predicted peak of any
-            plan, plus 5% headroom for the allocator.
+            plan, plus 10% headroom for the allocator.
+        region_policies: per span, the save policy its replay keeps what it picks
+            with (:mod:`tf_checkpointing.policies`), or None for a full replay;
+            empty: every region is replayed fully.
+        policies: the save policies the planner could choose per region; empty
+            when it chose only between plain calls and full replays.
+        predicted_extra_seconds: the replay time per step the plan adds, as the
+            planner's time model predicts it (each call's forward time; under a
+            policy, scaled by the measured ratio of its replay time to a full
+            replay's).
 
     Example (``TF_CPU_ALLOCATOR_USE_BFC=true`` set before TensorFlow is imported):
         >>> import keras, tensorflow as tf
@@ -202,6 +211,13 @@ class ModelPlan:
     predicted_peak_bytes: int
     plain_peak_bytes: int
     min_budget_bytes: int
+    region_policies: tuple[Any, ...] = ()
+    policies: tuple[Any, ...] = ()
+    predicted_extra_seconds: Optional[float] = None
+
+    def policy_of(self, k: int) -> Any:
+        """The save policy of span ``k`` (None: a full replay)."""
+        return self.region_policies[k] if k < len(self.region_policies) else None
 
     @property
     def regions(self) -> list[list[str]]:
@@ -234,13 +250,21 @@ class ModelPlan:
                  f"{mib(self.plain_peak_bytes)}, least budget {mib(self.min_budget_bytes)}); "
                  f"{len(self.spans)} checkpointed regions, {self.extra_forward_layers} "
                  "extra layer forwards"]
-        self._describe(self.spans, "  ", lines)
+        if self.policies:
+            lines[0] += ("; policies to choose from: "
+                         f"{', '.join(map(policy_name, self.policies))}")
+        if self.predicted_extra_seconds:
+            lines[0] += f"; predicted replay time {self.predicted_extra_seconds * 1e3:.1f} ms"
+        self._describe(self.spans, "  ", lines, self.region_policies)
         return "\n".join(lines)
 
-    def _describe(self, spans: tuple, indent: str, lines: list) -> None:
-        for a, c, inner in spans:
+    def _describe(self, spans: tuple, indent: str, lines: list,
+                  policies: tuple = ()) -> None:
+        for k, (a, c, inner) in enumerate(spans):
             names = list(self.call_names[a:c])
             shown = names if len(names) <= 4 else names[:2] + ["..."] + names[-1:]
-            lines.append(f"{indent}[{', '.join(shown)}] ({len(names)} layers"
+            policy = policies[k] if k < len(policies) else None
+            kept = f", replayed with {policy_name(policy)}" if policy is not None else ""
+            lines.append(f"{indent}[{', '.join(shown)}] ({len(names)} layers{kept}"
                          f"{', with checkpoints inside:' if inner else ''})")
             self._describe(inner, indent + "  ", lines)

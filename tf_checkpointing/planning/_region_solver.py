@@ -3,7 +3,10 @@
 ``solve`` runs the program over cut positions on a :class:`RegionModel`, with
 a budget (least recomputation that fits) or without (least peak);
 ``nested_options`` offers each short region also with checkpoints inside its
-replay, one level deep.
+replay, one level deep. With save policies on the model (``RegionModel`` with
+``policy_kept``), every region is also offered replayed under each policy: it
+holds its live outputs plus what the policy keeps, and costs the policy's
+replay time.
 """
 
 from __future__ import annotations
@@ -25,18 +28,33 @@ Span = tuple  # (start, stop, inner spans): a checkpointed region, nested checkp
 def solve(model: RegionModel, limit: Optional[float], *, start: int = 0,
           stop: Optional[int] = None, max_len: Optional[int] = None,
           nested: Optional[dict] = None, units: int = _UNITS,
-          unit: Optional[float] = None) -> Optional[tuple[float, tuple]]:
+          unit: Optional[float] = None, with_policies: bool = False) -> Optional[tuple]:
     """With ``limit``: the least recomputation whose modelled peak fits it, as
     ``(work, spans)``, or None. Without: the least peak (ties: least work), as
     ``(peak, spans)``. ``spans`` are ``(start, stop, inner)`` triples.
 
     ``[start, stop)`` restricts the calls (a replay's, for nesting), ``max_len``
     the length of a region, and ``nested[(a, c)] = (need, work, inner)`` offers
-    each region also with checkpoints inside its replay."""
+    each region also with checkpoints inside its replay. ``with_policies``
+    returns ``(value, spans, policies)``: per span, the index of the save policy
+    it is replayed under (-1: a full replay)."""
     stop = model.n if stop is None else stop
     unit = unit or max(limit if limit is not None else model.peak(()), 1.0) / units
     tables = _tables(model, limit, start, stop, max_len, nested, units, unit)
-    return _best(tables, limit, start, stop, nested)
+    found = _best(tables, limit, start, stop, nested)
+    return found if found is None or with_policies else found[:2]
+
+
+# A step's kind, in the program's back-pointers: 0 is one plain call; a region
+# is 1 + 2 * variant + followed, variant 0 flat, 1 nested, 2 + p replayed under
+# policy p, ``followed`` when the plain call right after it is stepped with it.
+def _kind(variant: int, followed: bool) -> int:
+    return 1 + 2 * variant + int(followed)
+
+
+def _decode(kind: int) -> tuple[int, bool]:
+    """(variant, followed) of a region's kind."""
+    return (kind - 1) // 2, bool((kind - 1) % 2)
 
 
 def _tables(model, limit, start, stop, max_len, nested, units, unit):
@@ -62,7 +80,8 @@ def _tables(model, limit, start, stop, max_len, nested, units, unit):
                         continue  # a region's next plain call is stepped with the region
                     add = int(np.ceil(held / unit - 1e-9))
                     if add < size:
-                        _relax((value, work, came_from), (source, a), (int(kind in (1, 2)), end),
+                        after_region = kind > 0 and not _decode(kind)[1]
+                        _relax((value, work, came_from), (source, a), (int(after_region), end),
                                add, need, extra, kind, held_bytes, limit)
     return value, work, came_from
 
@@ -89,8 +108,8 @@ def _relax(tables, frm, to, add, need, extra, kind, held_bytes, limit) -> None:
              np.full_like(idx, kind)], 1)
 
 
-def _best(tables, limit, start, stop, nested) -> Optional[tuple[float, tuple]]:
-    """The best plan of ``[start, stop)`` in ``tables``, as (value, spans)."""
+def _best(tables, limit, start, stop, nested) -> Optional[tuple[float, tuple, tuple]]:
+    """The best plan of ``[start, stop)`` in ``tables``, as (value, spans, policies)."""
     value, work, came_from = tables
     final = value[:, stop]
     if not np.isfinite(final).any():
@@ -98,35 +117,42 @@ def _best(tables, limit, start, stop, nested) -> Optional[tuple[float, tuple]]:
     ties = np.argwhere(final <= np.min(final) * (1 + 1e-9))
     state, h = (int(v) for v in ties[np.argmin(work[:, stop][tuple(ties.T)])])
     result = float(value[state, stop, h]) if limit is None else float(work[state, stop, h])
-    spans, c = [], stop
+    spans, policies, c = [], [], stop
     while c > start:
         state, a, h, kind = (int(v) for v in came_from[state, c, h])
         if kind:
-            end = c - 1 if kind in (3, 4) else c
-            spans.append((a, end, nested[(a, end)][2] if kind in (2, 4) else ()))
+            variant, followed = _decode(kind)
+            end = c - 1 if followed else c
+            spans.append((a, end, nested[(a, end)][2] if variant == 1 else ()))
+            policies.append(variant - 2 if variant >= 2 else -1)
         c = a
-    return result, tuple(reversed(spans))
+    return result, tuple(reversed(spans)), tuple(reversed(policies))
 
 
 def _options(model: RegionModel, a: int, c: int, stop: int, nested: Optional[dict]):
     """The steps from cut ``a`` that run ``[a, c)``, as (kind, end cut, need, held
-    bytes, extra work): 0 plain (one call), 1 checkpointed, 2 checkpointed with
-    checkpoints inside its replay; 3 and 4 are 1 and 2 followed by the plain call
-    ``c``, whose held bytes count during the region's backward (see the module)."""
+    bytes, extra work): 0 plain (one call), else a region (see :func:`_kind`):
+    checkpointed, with checkpoints inside its replay, or replayed under a
+    policy; each also followed by the plain call ``c``, whose held bytes count
+    during the region's backward (see the module)."""
     if c == a + 1:
         yield 0, c, model.need(a, c, False), model.held(a, c, False), 0.0
-    work = model.cost_prefix[c] - model.cost_prefix[a]
-    regions = [(1, model.need(a, c, True), work)]
+    work = model.work(a, c)
+    live = model.held(a, c, True)
+    regions = [(0, model.need(a, c, True), live, work)]
     if nested is not None and (a, c) in nested:
         need, inner_work, _ = nested[(a, c)]
-        regions.append((2, need, work + inner_work))
-    live = model.held(a, c, True)
-    for kind, need, extra in regions:
-        yield kind, c, need, live, extra
+        regions.append((1, need, live, work + inner_work))
+    for p in range(model.num_policies):
+        kept = model.policy_kept(a, c, p)
+        if kept > 0:  # else the same as a full replay
+            regions.append((2 + p, model.need(a, c, True, p), live + kept, model.work(a, c, p)))
+    for variant, need, held, extra in regions:
+        yield _kind(variant, False), c, need, held, extra
         if c < stop:
             then = model.plain_held[c]
-            yield (kind + 2, c + 1, max(need + then, live + model.plain_need[c]),
-                   live + then, extra)
+            yield (_kind(variant, True), c + 1, max(need + then, held + model.plain_need[c]),
+                   held + then, extra)
 
 
 def nested_options(model: RegionModel, max_len: int = 24, units: int = 40) -> dict:

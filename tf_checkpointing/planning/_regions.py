@@ -97,6 +97,10 @@ class GraphCosts:
     floating: np.ndarray
     own_wgrad: Optional[np.ndarray] = None
     saver_last: Optional[np.ndarray] = None
+    # [call, policy]: bytes a region replayed under the policy keeps of the
+    # call on top of its inputs, and the call's replay seconds under it.
+    policy_kept: Optional[np.ndarray] = None
+    policy_cost: Optional[np.ndarray] = None
 
     @property
     def n(self) -> int:
@@ -159,6 +163,13 @@ class RegionModel:
             self.fwd_ckpt[a, a + 1:] = ckpt
             self.bwd_region[a, a + 1:] = back + own_prefix[k + 1]
         self._w_suffix, self.plain_scale = w_suffix, 1.0
+        # [cut, policy] prefix sums: what a region under a policy keeps on top of
+        # its inputs, and the replay time it costs.
+        policy_kept = np.zeros((n, 0)) if costs.policy_kept is None else costs.policy_kept
+        policy_cost = np.zeros((n, 0)) if costs.policy_cost is None else costs.policy_cost
+        zero = np.zeros((1, policy_kept.shape[1]))
+        self.policy_kept_prefix = np.vstack([zero, np.cumsum(policy_kept, axis=0)])
+        self.policy_cost_prefix = np.vstack([zero, np.cumsum(policy_cost, axis=0)])
         self.rescale_plain(plain_scale)
 
     def _forward_only(self, costs: GraphCosts) -> None:
@@ -214,32 +225,59 @@ class RegionModel:
 
     def in_replay(self) -> RegionModel:
         """The model of calls run inside a replay: every call keeps what its
-        per-call profile measured (no plain-step scale)."""
+        per-call profile measured (no plain-step scale), and no policies."""
         view = copy.copy(self)
         view.rescale_plain(1.0)
+        # Regions inside a replay are full replays (policies are for the top level).
+        view.policy_kept_prefix = view.policy_cost_prefix = np.zeros((self.n + 1, 0))
         return view
 
-    def need(self, a: int, c: int, checkpointed: bool) -> float:
-        """Peak of running ``[a, c)`` (forward and backward) above what is held before."""
+    @property
+    def num_policies(self) -> int:
+        return int(self.policy_kept_prefix.shape[1])
+
+    def policy_kept(self, a: int, c: int, policy: int) -> float:
+        """Bytes region ``[a, c)`` replayed under ``policy`` keeps on top of its inputs."""
+        return float(self.policy_kept_prefix[c, policy] - self.policy_kept_prefix[a, policy])
+
+    def work(self, a: int, c: int, policy: int = -1) -> float:
+        """Replay seconds of region ``[a, c)``, fully or under ``policy``."""
+        if policy < 0:
+            return float(self.cost_prefix[c] - self.cost_prefix[a])
+        return float(self.policy_cost_prefix[c, policy] - self.policy_cost_prefix[a, policy])
+
+    def need(self, a: int, c: int, checkpointed: bool, policy: int = -1) -> float:
+        """Peak of running ``[a, c)`` (forward and backward) above what is held before.
+
+        Under a policy the region's forward holds what it keeps on top of its
+        untaped peak, and so does its backward on top of the full replay's: the
+        kept tensors come back as they are, where a replay makes them again, so
+        counting them in full is the safe side (a kept product that the plain
+        call keeps anyway is counted twice)."""
         if checkpointed:
+            kept = self.policy_kept(a, c, policy) if policy >= 0 else 0.0
             return max(self.fwd_ckpt[a, c],
-                       self.bwd_region[a, c] + self.enter[a, c] + self.kept_in[a, c])
+                       self.bwd_region[a, c] + self.enter[a, c] + self.kept_in[a, c]) + kept
         assert c == a + 1  # plain runs are planned call by call
         return float(self.plain_need[a])
 
-    def held(self, a: int, c: int, checkpointed: bool) -> float:
+    def held(self, a: int, c: int, checkpointed: bool, policy: int = -1) -> float:
         """Bytes ``[a, c)`` leaves held for the backward."""
         if checkpointed:
-            return float(self.held_live[a, c] + self.kept_in[a, c])
+            kept = self.policy_kept(a, c, policy) if policy >= 0 else 0.0
+            return float(self.held_live[a, c] + self.kept_in[a, c]) + kept
         return float(self.plain_held[a:c].sum())
 
-    def peak(self, spans: tuple = (), start: int = 0, stop: Optional[int] = None) -> float:
+    def peak(self, spans: tuple = (), start: int = 0, stop: Optional[int] = None,
+             policies: tuple = ()) -> float:
         """The peak the model predicts for running ``[start, stop)`` with the
-        checkpointed ``spans`` (``(start, stop, inner)`` triples)."""
+        checkpointed ``spans`` (``(start, stop, inner)`` triples), each replayed
+        under the policy of the same position in ``policies`` (indices; -1 or
+        missing: a full replay)."""
         held, peak = 0.0, 0.0
-        cover = pieces(start, self.n if stop is None else stop, spans)
-        for k, (a, c, checkpointed, inner) in enumerate(cover):
-            need = self.need(a, c, checkpointed)
+        cover = pieces(start, self.n if stop is None else stop, spans, policies)
+        for k, (a, c, checkpointed, inner, policy) in enumerate(cover):
+            need = self.need(a, c, checkpointed, policy)
             if inner:
                 replay = self.in_replay().peak(inner, a, c)
                 need = max(self.fwd_ckpt[a, c],
@@ -247,18 +285,26 @@ class RegionModel:
             if checkpointed and k + 1 < len(cover) and not cover[k + 1][2]:
                 need += self.plain_held[c]  # the plain call after it, still held
             peak = max(peak, held + need)
-            held += self.held(a, c, checkpointed)
+            held += self.held(a, c, checkpointed, policy)
         return peak
 
+    def extra_work(self, spans: tuple, policies: tuple = ()) -> float:
+        """The replay seconds of ``spans`` (nested ones too) under ``policies``."""
+        chosen = list(policies) + [-1] * (len(spans) - len(policies))
+        return sum(self.work(a, c, p) + self.extra_work(inner)
+                   for (a, c, inner), p in zip(spans, chosen))
 
-def pieces(start: int, stop: int, spans: tuple) -> list[tuple[int, int, bool, tuple]]:
+
+def pieces(start: int, stop: int, spans: tuple,
+           policies: tuple = ()) -> list[tuple[int, int, bool, tuple, int]]:
     """The plan as a cover of ``[start, stop)``: checkpointed spans (with their
-    inner spans), plain calls between."""
+    inner spans and policy index, -1 for none), plain calls between."""
     out: list[Any] = []
     at = start
-    for a, c, inner in spans:
-        out.extend((k, k + 1, False, ()) for k in range(at, a))
-        out.append((a, c, True, inner))
+    chosen = list(policies) + [-1] * (len(spans) - len(policies))
+    for (a, c, inner), policy in zip(spans, chosen):
+        out.extend((k, k + 1, False, (), -1) for k in range(at, a))
+        out.append((a, c, True, inner, policy))
         at = c
-    out.extend((k, k + 1, False, ()) for k in range(at, stop))
+    out.extend((k, k + 1, False, (), -1) for k in range(at, stop))
     return out

@@ -1,0 +1,198 @@
+"""The whole-model planner choosing a save policy per region (``policies=``):
+exact gradients and state for plans that replay regions under policies, the
+planner choosing a policy where it pays, the plan shown, clear errors, and
+the budget kept (measured in a process of its own)."""
+
+import dataclasses
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from helpers import assert_all_close, grads_of, ran_in_fresh_process
+
+import tf_checkpointing as tc
+from tf_checkpointing import policies
+
+DOTS, NO_BATCH = policies.dots_saveable, policies.dots_with_no_batch_dims_saveable
+
+
+def dense_heavy(width=32, blocks=3):
+    """Residual blocks of wide products and GELUs that keep as much as they make:
+    keeping the products and replaying the rest saves most of a replay's time
+    for half of plain's memory. A BatchNormalization and dropout for state the
+    replay must not touch."""
+    x = keras.Input((width,))
+    h = keras.layers.BatchNormalization(name="bn")(x)
+    for i in range(blocks):
+        y = keras.layers.Dense(4 * width, name=f"up{i}")(h)
+        y = keras.layers.Activation("gelu", name=f"gelu{i}")(y)
+        y = keras.layers.Dense(4 * width, name=f"mid{i}")(y)
+        y = keras.layers.Activation("gelu", name=f"act{i}")(y)
+        y = keras.layers.Dropout(0.2, seed=i, name=f"drop{i}")(y)
+        y = keras.layers.Dense(width, name=f"down{i}")(y)
+        h = keras.layers.Add(name=f"add{i}")([h, y])
+    out = keras.layers.Dense(2, name="head")(h)
+    # Gradients of order one: a kept product feeds a separate bias add where plain's
+    # tf.function fuses the two (_FusedMatMul), which rounds otherwise (float32),
+    # and an absolute tolerance of 1e-5 needs gradients that are not in the tens.
+    return keras.Model(x, keras.layers.Rescaling(0.05, name="scale")(out), name="dense_heavy")
+
+
+def _run(model, x, mode):
+    loss, grads = grads_of(lambda x: model(x, training=True), [x], model.trainable_variables,
+                           mode)
+    return loss, grads, [v.numpy() for v in model.variables]
+
+
+def test_a_plan_replaying_regions_under_policies_equals_plain(mode):
+    keras.utils.set_random_seed(0)
+    model = dense_heavy()
+    x = tf.random.stateless_normal([16, 32], [0, 1])
+    model(x)
+    before = [v.numpy() for v in model.variables]
+    plain = _run(model, x, mode)
+    for variable, value in zip(model.variables, before):
+        variable.assign(value)
+    least = tc.plan_model(model, x, budget="min", mode="eager")
+    names = list(least.call_names)
+    cut = [names.index(f"add{i}") + 1 for i in range(3)]
+    # Block 0 under dots_saveable, block 1 under JAX's no-batch-dims choice,
+    # block 2 fully replayed; the BatchNorm in the first region.
+    spans = ((0, cut[0], ()), (cut[0], cut[1], ()), (cut[1], cut[2], ()))
+    plan = dataclasses.replace(least, spans=spans, region_policies=(DOTS, NO_BATCH, None))
+    tc.apply_checkpointing(model, plan=plan)
+    ours = _run(model, x, mode)
+    tolerance = dict(rtol=1e-4, atol=1e-4) if mode == "xla" else dict(atol=1e-5)
+    assert_all_close(ours[0], plain[0], **tolerance)
+    assert_all_close(ours[1], plain[1], **tolerance)
+    # BatchNorm statistics updated once, dropout seed generators advanced as plain's.
+    assert_all_close(ours[2], plain[2], atol=1e-5)
+    assert any(not np.array_equal(a, b) for a, b in zip(plain[2], before))
+    # The runner passed the policies: the regions keep the products they picked.
+    kept = tc.saved_residuals(lambda x: model(x, training=True), x)
+    assert any(r.why == "kept by the save policy" for r in kept), kept
+    assert "replayed with dots_saveable" in str(plan)
+    assert "replayed with dots_with_no_batch_dims_saveable" in str(plan)
+
+
+def test_the_planner_replays_under_a_policy_where_it_saves_time():
+    keras.utils.set_random_seed(0)
+    model = dense_heavy(width=128, blocks=4)
+    x = tf.random.stateless_normal([256, 128], [0, 2])
+    model(x)
+    least = tc.plan_model(model, x, budget="min", mode="graph", policies="auto")
+    assert least.policies == (DOTS, NO_BATCH)
+    chose = False
+    for fraction in (0.2, 0.4, 0.6, 0.8):
+        budget = int(least.min_budget_bytes + fraction * (
+            least.plain_peak_bytes - least.min_budget_bytes))
+        without = tc.plan_model(model, x, budget=budget, mode="graph")
+        mixed = tc.plan_model(model, x, budget=budget, mode="graph", policies="auto")
+        assert without.region_policies == () and without.policies == ()
+        assert len(mixed.region_policies) == len(mixed.spans)
+        assert mixed.predicted_peak_bytes <= budget
+        # The same program with one more option per region: never more replay time.
+        assert mixed.predicted_extra_seconds <= without.predicted_extra_seconds * (1 + 1e-9)
+        if any(p is not None for p in mixed.region_policies):
+            chose = True
+            assert mixed.predicted_extra_seconds < without.predicted_extra_seconds, (
+                str(mixed), str(without))
+    assert chose, str(mixed)
+
+
+def test_apply_checkpointing_with_a_budget_and_policies_trains_like_plain():
+    keras.utils.set_random_seed(0)
+    model = dense_heavy(width=64, blocks=4)
+    x = tf.random.stateless_normal([256, 64], [0, 3])
+    model(x)
+    before = [v.numpy() for v in model.variables]
+    plain = _run(model, x, "function")
+    for variable, value in zip(model.variables, before):
+        variable.assign(value)
+    least = tc.plan_model(model, x, budget="min", mode="graph", policies="auto")
+    budget = (least.min_budget_bytes + least.plain_peak_bytes) // 2
+    assert tc.apply_checkpointing(model, budget=budget, policies="auto") == [model]
+    ours = _run(model, x, "function")
+    plan = model.call.plan
+    assert plan.mode == "graph" and plan.policies == (DOTS, NO_BATCH) and plan.spans
+    assert plan.budget_bytes == budget and plan.predicted_peak_bytes <= budget
+    assert_all_close(ours[0], plain[0], atol=1e-5)
+    assert_all_close(ours[1], plain[1], atol=1e-5)
+    assert_all_close(ours[2], plain[2], atol=1e-5)
+
+
+def test_eager_plans_choose_no_policy():
+    keras.utils.set_random_seed(0)
+    model = dense_heavy()
+    x = tf.random.normal([8, 32])
+    plan = tc.plan_model(model, x, budget="min", mode="eager", policies="auto")
+    assert plan.policies == () and plan.region_policies == ()
+
+
+@pytest.mark.parametrize("value, received", [
+    ("dots_saveable", "'dots_saveable' of type str"),
+    ([DOTS, 3], "3 of type int (entry 1)"),
+    (DOTS, "of type function"),
+])
+def test_bad_policies_are_clear_errors(value, received):
+    model = dense_heavy()
+    x = tf.random.normal([8, 32])
+    for api, call in (("plan_model", lambda: tc.plan_model(model, x, budget="min",
+                                                           policies=value)),
+                      ("apply_checkpointing", lambda: tc.apply_checkpointing(
+                          model, budget="min", policies=value))):
+        with pytest.raises(TypeError, match=rf"{api}: argument `policies` must be None, "
+                                            r"'auto', or a list of save policies") as info:
+            call()
+        assert received in str(info.value) and "policies='auto'" in str(info.value)
+
+
+def test_policy_with_a_budget_points_to_policies_and_policies_need_a_budget():
+    model = dense_heavy()
+    with pytest.raises(TypeError, match=r"argument `policy`.*received policy=.*with budget.*"
+                                        r"pass policies=\[\.\.\.\] \(or policies='auto'\) "
+                                        r"with budget="):
+        tc.apply_checkpointing(model, budget="min", policy=DOTS)
+    with pytest.raises(TypeError, match=r"argument `policies` is for the planner.*"
+                                        r"received policies='auto' with select"):
+        tc.apply_checkpointing(model, ["up0"], policies="auto")
+    plan = tc.plan_model(model, tf.random.normal([8, 32]), budget="min", mode="eager")
+    with pytest.raises(TypeError, match=r"argument `policies`.*a plan was given"):
+        tc.apply_checkpointing(model, plan=plan, policies="auto")
+
+
+@pytest.mark.slow
+def test_a_plan_with_policies_keeps_its_budget(request):
+    if ran_in_fresh_process(request):
+        return
+    keras.utils.set_random_seed(0)
+    model = dense_heavy(width=256, blocks=4)
+    x = tf.random.stateless_normal([1024, 256], [0, 4])
+    model(x)
+    optimizer = keras.optimizers.SGD(1e-3)
+
+    def make_step():
+        @tf.function
+        def step(x):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(model(x, training=True) ** 2)
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+
+        return step
+
+    least = tc.plan_model(model, x, budget="min", mode="graph", policies="auto")
+    results = []
+    for fraction in (0.4, 0.7):
+        budget = int(least.min_budget_bytes + fraction * (
+            least.plain_peak_bytes - least.min_budget_bytes))
+        plan = tc.plan_model(model, x, budget=budget, mode="graph", policies="auto")
+        tc.apply_checkpointing(model, plan=plan)
+        step = make_step()
+        step(x)
+        peak = min(tc.peak_memory(lambda step=step: step(x).numpy()) for _ in range(3))
+        results.append((fraction, peak / 2**20, budget / 2**20, str(plan)))
+        assert peak <= budget, results
+    assert any("replayed with" in r[3] for r in results), results
