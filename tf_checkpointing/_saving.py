@@ -234,7 +234,7 @@ class _Record:
 class _Substitute:
     """Replaces kept ops' outputs in a replay by the kept tensors, made to wait
     for the replay's inputs, which depend on the incoming gradient
-    (``_recompute._fresh_copies``). Without that wait the ops downstream of a
+    (``_ordering.fresh_copies``). Without that wait the ops downstream of a
     kept tensor would depend on forward tensors only, and the executor or XLA
     would run them during the forward and hold their results until the
     backward: more memory than no checkpointing at all.
