@@ -84,8 +84,9 @@ def plan_sequential(layers: Any, inputs: Any, *, budget: Union[float, str],
             leaves more layers un-checkpointed; ``"auto"`` (the default):
             ``"graph"`` when called while a ``tf.function`` is being traced,
             else ``"eager"``; ``"xla"`` for a ``jit_compile=True`` step (also
-            chosen by ``"auto"`` while one is traced): a graph profile scaled to
-            the measured XLA plain step.
+            chosen by ``"auto"`` while one is traced): a graph profile whose
+            peaks are mapped onto the measured XLA steps of the plain chain and of
+            its least-memory plan (XLA keeps buffers checkpointing does not shrink).
         policies: the save policies a layer may keep its activations with:
             None (the default: plain or full replays only); ``"auto"``:
             ``policies.dots_saveable`` and
