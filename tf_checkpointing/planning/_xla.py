@@ -42,6 +42,7 @@ class XlaAnchor:
     """The model's peaks of the least and the plain plan, and the XLA steps'.
 
     Example:
+        >>> from tf_checkpointing.planning._xla import XlaAnchor
         >>> anchor = XlaAnchor(model_least=100, model_plain=400, least_bytes=250,
         ...                    plain_bytes=400)
         >>> anchor.predict(100), anchor.predict(400), anchor.predict(250)
