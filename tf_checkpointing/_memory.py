@@ -45,7 +45,7 @@ from typing import Any, Callable, Generic, Optional, TypeVar
 
 import tensorflow as tf
 
-__all__ = ["MemoryStats", "default_memory_device", "measure", "peak_memory",
+__all__ = ["MemoryStats", "default_memory_device", "grow_cpu_pool", "measure", "peak_memory",
            "statistics_status"]
 
 T = TypeVar("T")
@@ -64,6 +64,9 @@ _open_measurements: list[list[Any]] = []
 # Devices whose allocator was found to count small allocations (probed once each).
 _complete_stats_devices: set[str] = set()
 _PROBE_BYTES = 64 * 1024  # below what TF 2.21's default CPU allocator counts
+# The CPU pool is grown once by this much (address space only: never written).
+_POOL_BYTES = 4 * 2**30
+_grown_devices: set[str] = set()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +137,7 @@ def measure(fn: Callable[..., T], *args: Any, device: Optional[str] = None,
             f'such as "GPU:0" or "CPU:0", received {device!r} of type '
             f"{type(device).__name__}. Pass the device as a string.")
     _require_complete_stats(device)
+    grow_cpu_pool(device)
     before = _memory_info(device)
     for entry in _open_measurements:   # keep the enclosing measurements' peaks
         if entry[0] == device:
@@ -262,3 +266,35 @@ def _missing_small_allocations(device: str) -> Optional[str]:
                 "so small allocations would be missing from its peaks")
     _complete_stats_devices.add(device)
     return None
+
+
+def grow_cpu_pool(device: str = "CPU:0") -> None:
+    """Grows the CPU BFC allocator's pool, once per process, by one 4 GiB region,
+    so that a large request is cut from it instead of taking a whole region.
+
+    Why: the BFC allocator counts the chunk it hands out, and hands out a free
+    chunk whole when it is less than twice the request and less than 128 MiB
+    would be left over (``FindChunkPtr`` in TensorFlow's ``bfc_allocator.cc``).
+    On CPU its pool grows by regions of doubling size (2 MiB, 4 MiB, ...), so a
+    70 MiB request that opens a new 128 MiB region is counted as 128 MiB: an XLA
+    step, which allocates all its temporaries as one buffer, then "peaks" at a
+    power of two (measured: 64.0, 128.0, 512.0 MiB). On a GPU the pool is one
+    large region from the start and the requests are cut from it; this makes
+    the CPU pool alike. The region is allocated uninitialised, so no page of it
+    is touched; it stays reserved for the process (the BFC allocator never
+    frees a region). Regions allocated before still serve the requests they fit.
+
+    Example:
+        >>> from tf_checkpointing._memory import grow_cpu_pool
+        >>> grow_cpu_pool("CPU:0")   # once; later calls do nothing
+    """
+    if device in _grown_devices or "CPU" not in device.upper():
+        return
+    _grown_devices.add(device)
+    with tf.init_scope(), tf.device(device):  # eager even while a function is traced
+        try:
+            # float32: the element count must fit the op's int32 shape.
+            region = tf.raw_ops.Empty(shape=[_POOL_BYTES // 4], dtype=tf.float32, init=False)
+        except (tf.errors.ResourceExhaustedError, tf.errors.InternalError):
+            return  # no address space for it: peaks keep the region steps
+    del region

@@ -19,6 +19,8 @@ import keras
 import tensorflow as tf
 from tensorflow.python.ops import control_flow_util
 
+from tf_checkpointing._memory import grow_cpu_pool
+
 __all__: list[str] = []
 
 _BFC_ENV_VAR = "TF_CPU_ALLOCATOR_USE_BFC"
@@ -60,6 +62,7 @@ def memory_device(inputs: Any, api: str) -> str:
             "TensorFlow is imported (first lines of the script, or "
             f"`{_BFC_ENV_VAR}=true python train.py`), or pass segments= instead of budget=."
         )
+    grow_cpu_pool(name)  # readings of cut chunks, not whole regions (see _memory)
     return name
 
 

@@ -16,6 +16,7 @@ Plans and profiles are cached per chain, input shapes, keywords and mode.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import math
 from typing import Any, Union
@@ -27,10 +28,12 @@ from tf_checkpointing.planning._allocator import concrete_inputs, in_fresh_threa
 from tf_checkpointing.planning._calling import route_keywords, validate_layers
 from tf_checkpointing.planning._chain_model import predict_peak as predict_peak
 from tf_checkpointing.planning._choices import PolicyChoices, expect_policies, measure_choices
+from tf_checkpointing.planning._layer_profile import ChainProfile
 from tf_checkpointing.planning._plan import SequentialPlan
 from tf_checkpointing.planning._profile import layer_key, profile_chain
 from tf_checkpointing.planning._rotor import _inner as _inner  # for the tests
 from tf_checkpointing.planning._rotor import solve
+from tf_checkpointing.planning._xla import XlaAnchor, measure_xla_step
 
 __all__ = ["plan_sequential"]
 
@@ -81,8 +84,9 @@ def plan_sequential(layers: Any, inputs: Any, *, budget: Union[float, str],
             leaves more layers un-checkpointed; ``"auto"`` (the default):
             ``"graph"`` when called while a ``tf.function`` is being traced,
             else ``"eager"``; ``"xla"`` for a ``jit_compile=True`` step (also
-            chosen by ``"auto"`` while one is traced): a graph profile scaled to
-            the measured XLA plain step.
+            chosen by ``"auto"`` while one is traced): a graph profile whose
+            peaks are mapped onto the measured XLA steps of the plain chain and of
+            its least-memory plan (XLA keeps buffers checkpointing does not shrink).
         policies: the save policies a layer may keep its activations with:
             None (the default: plain or full replays only); ``"auto"``:
             ``policies.dots_saveable`` and
@@ -157,6 +161,8 @@ def cached_plan(layers: list[Any], inputs: Any, budget: Union[int, str], kwargs:
         profile = profile_chain(calls, inputs, names=names, api=api, compiled=compiled,
                                 xla=xla, layer_keys=[layer_key(layer, kw) for layer, kw
                                                      in zip(layers, routed)])
+        if xla:
+            profile = _anchored(profile, layers, inputs, kwargs, routed, api)
         # The layers are kept alive with the entry, so their ids stay theirs.
         entry = _profiles[key] = (list(layers), profile, {}, {})
         if len(_profiles) > _CACHE_SIZE:
@@ -173,6 +179,21 @@ def cached_plan(layers: list[Any], inputs: Any, budget: Union[int, str], kwargs:
         plans[budget, policies] = solve(entry[1], budget, api=api,
                                         choices=choices.get(policies))
     return plans[budget, policies]
+
+
+def _anchored(profile: ChainProfile, layers: list[Any], inputs: Any, kwargs: dict[str, Any],
+              routed: list[dict], api: str) -> ChainProfile:
+    """The XLA profile with its least plan compiled and measured (see ``_xla``)."""
+    from tf_checkpointing._sequential import run_plan  # noqa: PLC0415 (imports this module)
+
+    least = solve(profile, "min", api=api)
+    state = [w for layer in layers for w in getattr(layer, "non_trainable_weights", ())]
+    least_bytes = measure_xla_step(lambda x: run_plan(layers, least, x, kwargs, routed),
+                                   inputs, api, state)
+    model_least = least.predicted_peak_bytes or 0
+    anchor = XlaAnchor(model_least=model_least, model_plain=profile.plain_peak_bytes,
+                       least_bytes=least_bytes, plain_bytes=profile.plain_peak_bytes)
+    return dataclasses.replace(profile, xla_anchor=anchor)
 
 
 def _call(layer: Any, kw: dict, x: Any) -> Any:

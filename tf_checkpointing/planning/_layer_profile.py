@@ -68,6 +68,9 @@ class ChainProfile:
             the XLA-compiled plain step's (XLA assigns buffers its own way: on
             ResNet50 its plain step peaks 1.1-1.2x the graph's, and the per-layer
             graphs, read with a ``py_function`` XLA cannot compile, are scaled to it).
+        xla_anchor: for ``xla``, the least-memory plan's XLA step measured too
+            (an :class:`~tf_checkpointing.planning._xla.XlaAnchor`): the
+            planner maps its peaks onto the two measured XLA steps.
     """
 
     layers: tuple[LayerProfile, ...]
@@ -77,6 +80,7 @@ class ChainProfile:
     device: str
     compiled: bool = False
     xla: bool = False
+    xla_anchor: Any = None
 
 
 def taped(call: Callable[[Any], Any], x: Any) -> tuple[tf.GradientTape, Any]:

@@ -35,6 +35,7 @@ from tf_checkpointing.planning._profile import profile_chain
 from tf_checkpointing.planning._region_solver import nested_options, solve
 from tf_checkpointing.planning._regions import GraphCosts, RegionModel
 from tf_checkpointing.planning._saved_inputs import saved_inputs
+from tf_checkpointing.planning._xla import XlaAnchor, measure_xla_step
 
 __all__ = ["ModelPlan", "plan_model"]
 
@@ -44,6 +45,7 @@ _MODES = ("auto", "eager", "graph", "xla")
 _CACHE_SIZE = 4
 _profiles: dict[Any, tuple[Any, ChainProfile, GraphCosts]] = {}
 _choices: dict[Any, tuple[Any, PolicyChoices]] = {}
+_anchors: dict[Any, XlaAnchor] = {}  # per profile key: the measured XLA least plan
 Budget = Union[int, float, str]
 
 
@@ -143,15 +145,20 @@ def plan_graph(graph: LayerGraph, inputs: Any, budget: Optional[int], *, mode: s
     nested = nested_options(region_model)
     least = solve(region_model, None, nested=nested, with_policies=True)
     assert least is not None  # every call alone, checkpointed or not, is a plan
-    min_peak = int(math.ceil(least[0] / (1 - _HEADROOM)))
     plain_peak = profile.plain_peak_bytes
+    # For XLA, the model's peaks are mapped onto two measured XLA steps (see _xla).
+    anchor = _xla_anchor(graph, inputs, least, region_model, profile, mode, api)
+    predict = anchor.predict if anchor is not None else float
+    helps = anchor is None or anchor.helps
+    least_spans, least_chosen = (least[1], least[2]) if helps else ((), ())
+    min_peak = int(math.ceil(predict(least[0]) / (1 - _HEADROOM)))
     names = tuple(call.name for call in graph.calls)
     plan = ModelPlan(call_names=names, spans=(), mode=mode, budget_bytes=budget,
-                     predicted_peak_bytes=int(region_model.peak(())),
+                     predicted_peak_bytes=int(predict(region_model.peak(()))),
                      plain_peak_bytes=plain_peak, min_budget_bytes=min(min_peak, plain_peak),
                      policies=policies, predicted_extra_seconds=0.0)
     if budget is None:
-        spans, chosen = least[1], least[2]
+        spans, chosen = least_spans, least_chosen
     elif budget >= plain_peak:
         return plan
     elif budget < plan.min_budget_bytes:
@@ -164,14 +171,39 @@ def plan_graph(graph: LayerGraph, inputs: Any, budget: Optional[int], *, mode: s
             "smaller batch."
         )
     else:
-        found = solve(region_model, budget * (1 - _HEADROOM), nested=nested,
-                      with_policies=True)
-        spans, chosen = (found or least)[1], (found or least)[2]
+        usable = budget * (1 - _HEADROOM)
+        limit = anchor.model_limit(usable) if anchor is not None else usable
+        found = solve(region_model, limit, nested=nested, with_policies=True)
+        spans, chosen = ((found[1], found[2]) if found is not None
+                         else (least_spans, least_chosen))
     return dataclasses.replace(
-        plan, spans=spans, predicted_peak_bytes=int(region_model.peak(spans, policies=chosen)),
+        plan, spans=spans,
+        predicted_peak_bytes=int(predict(region_model.peak(spans, policies=chosen))),
         region_policies=tuple(policies[p] if p >= 0 else None for p in chosen)
         if policies else (),
         predicted_extra_seconds=region_model.extra_work(spans, chosen))
+
+
+def _xla_anchor(graph: LayerGraph, inputs: Any, least: tuple[float, tuple],
+                region_model: RegionModel, profile: ChainProfile, mode: str,
+                api: str) -> Optional[XlaAnchor]:
+    """For an XLA step: the least plan compiled and measured (once per profile)."""
+    if mode != "xla":
+        return None
+    key = _profile_key(graph, inputs, mode)
+    if key not in _anchors:
+        # Imported here: the runner plans with this module.
+        from tf_checkpointing._graph_runner import GraphRunner  # noqa: PLC0415
+
+        names = tuple(call.name for call in graph.calls)
+        runner = GraphRunner(graph, plan=ModelPlan(names, least[1], mode, None, 0, 0, 0))
+        least_bytes = measure_xla_step(lambda x: runner(x, training=True), inputs, api,
+                                       graph.model.non_trainable_variables)
+        _anchors[key] = XlaAnchor(model_least=least[0], model_plain=region_model.peak(()),
+                                  least_bytes=least_bytes, plain_bytes=profile.plain_peak_bytes)
+        while len(_anchors) > _CACHE_SIZE:
+            _anchors.pop(next(iter(_anchors)))
+    return _anchors[key]
 
 
 def step_mode(mode: str) -> str:
@@ -205,9 +237,10 @@ def _cached_profile(graph: LayerGraph, inputs: Any, mode: str,
                     api: str) -> tuple[ChainProfile, GraphCosts]:
     """The profile, measured once per model, input shapes and mode (the last
     few are kept, with their models, so that their ids stay theirs)."""
-    key = _key(graph, inputs, mode)
+    key = _profile_key(graph, inputs, mode)
     if key not in _profiles:
         _profiles[key] = (graph.model, *_profile(graph, inputs, mode=mode, api=api))
+        _anchors.pop(key, None)  # a new profile (the id may be another model's now)
         while len(_profiles) > _CACHE_SIZE:
             _profiles.pop(next(iter(_profiles)))
     return _profiles[key][1], _profiles[key][2]
@@ -217,7 +250,7 @@ def _cached_choices(graph: LayerGraph, inputs: Any, mode: str, api: str,
                     policies: tuple[Any, ...]) -> PolicyChoices:
     """The policies measured on the graph, once per model, input shapes, mode and
     policies (as the profile)."""
-    key = (*_key(graph, inputs, mode), policies)
+    key = (*_profile_key(graph, inputs, mode), policies)
     if key not in _choices:
         _choices[key] = (graph.model, graph_choices(
             graph, inputs, policies, repeated_calls(graph), xla=mode == "xla", api=api))
@@ -226,7 +259,7 @@ def _cached_choices(graph: LayerGraph, inputs: Any, mode: str, api: str,
     return _choices[key][1]
 
 
-def _key(graph: LayerGraph, inputs: Any, mode: str) -> tuple:
+def _profile_key(graph: LayerGraph, inputs: Any, mode: str) -> tuple:
     shapes = tuple((tuple(leaf.shape), str(leaf.dtype)) for leaf in tf.nest.flatten(inputs)
                    if hasattr(leaf, "shape"))
     return (id(graph.model), len(graph.calls), shapes, mode)

@@ -52,17 +52,22 @@ def solve(profile: ChainProfile, budget: Union[int, str], *, api: str = "plan_se
     plain = (Segment(0, n, False),)
     plain_peak = profile.plain_peak_bytes
     min_peak, min_pieces = _least_memory(chain)
+    # For XLA, the model's peaks are mapped onto two measured XLA steps (see _xla).
+    anchor = profile.xla_anchor
+    predict: Callable[[float], float] = anchor.predict if anchor is not None else float
+    if anchor is not None and not anchor.helps:
+        min_pieces = plain  # under XLA the least plan peaks no lower than plain
     # Plans keep some of the budget free: the allocator hands out whole blocks
     # (up to twice a tensor's size) once it is fragmented, which no per-layer
     # profile sees (measured: eager peaks up to ~20% above the prediction late
     # in a long-running process, within 3% in a fresh one).
-    min_budget = min(plain_peak, int(math.ceil((min_peak + chain.outside) / (1 - _HEADROOM))))
+    least = int(predict(min_peak + chain.outside))
+    min_budget = min(plain_peak, int(math.ceil(least / (1 - _HEADROOM))))
     plan = SequentialPlan(num_layers=n, pieces=plain, budget_bytes=budget,
                           predicted_peak_bytes=plain_peak, plain_peak_bytes=plain_peak,
                           min_budget_bytes=min_budget, profile=profile,
                           policies=chain.policies, predicted_extra_seconds=0.0)
     if budget == "min":
-        least = int(min_peak + chain.outside)
         if least >= plain_peak:
             return plan
         return dataclasses.replace(plan, pieces=min_pieces, predicted_peak_bytes=least,
@@ -80,9 +85,12 @@ def solve(profile: ChainProfile, budget: Union[int, str], *, api: str = "plan_se
             "make the step smaller (a smaller batch, or split the largest layer)."
         )
     usable = budget * (1 - _HEADROOM)
+    if anchor is not None:
+        usable = anchor.model_limit(usable)
     pieces = _least_work(chain, usable - chain.outside) or min_pieces
     return dataclasses.replace(
-        plan, pieces=pieces, predicted_peak_bytes=int(peak(chain, pieces, 0, n) + chain.outside),
+        plan, pieces=pieces,
+        predicted_peak_bytes=int(predict(peak(chain, pieces, 0, n) + chain.outside)),
         predicted_extra_seconds=extra_seconds(chain, pieces))
 
 
