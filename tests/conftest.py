@@ -34,7 +34,9 @@ def _forget_planned_chains():
     yield
     from tf_checkpointing.planning import _chain as _planner
     from tf_checkpointing.planning import _model as _model_planner
+    from tf_checkpointing.planning import _xla
 
     _planner._profiles.clear()
     _model_planner._profiles.clear()
     _model_planner._choices.clear()
+    _xla._model_anchors.clear()

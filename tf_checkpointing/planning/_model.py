@@ -35,7 +35,7 @@ from tf_checkpointing.planning._profile import profile_chain
 from tf_checkpointing.planning._region_solver import nested_options, solve
 from tf_checkpointing.planning._regions import GraphCosts, RegionModel
 from tf_checkpointing.planning._saved_inputs import saved_inputs
-from tf_checkpointing.planning._xla import XlaAnchor, measure_xla_step
+from tf_checkpointing.planning._xla import forget_model_anchor, model_anchor
 
 __all__ = ["ModelPlan", "plan_model"]
 
@@ -45,7 +45,6 @@ _MODES = ("auto", "eager", "graph", "xla")
 _CACHE_SIZE = 4
 _profiles: dict[Any, tuple[Any, ChainProfile, GraphCosts]] = {}
 _choices: dict[Any, tuple[Any, PolicyChoices]] = {}
-_anchors: dict[Any, XlaAnchor] = {}  # per profile key: the measured XLA least plan
 Budget = Union[int, float, str]
 
 
@@ -147,7 +146,9 @@ def plan_graph(graph: LayerGraph, inputs: Any, budget: Optional[int], *, mode: s
     assert least is not None  # every call alone, checkpointed or not, is a plan
     plain_peak = profile.plain_peak_bytes
     # For XLA, the model's peaks are mapped onto two measured XLA steps (see _xla).
-    anchor = _xla_anchor(graph, inputs, least, region_model, profile, mode, api)
+    anchor = None if mode != "xla" else model_anchor(
+        _profile_key(graph, inputs, mode), graph, inputs, least[1], model_least=least[0],
+        model_plain=region_model.peak(()), plain_bytes=profile.plain_peak_bytes, api=api)
     predict = anchor.predict if anchor is not None else float
     helps = anchor is None or anchor.helps
     least_spans, least_chosen = (least[1], least[2]) if helps else ((), ())
@@ -184,28 +185,6 @@ def plan_graph(graph: LayerGraph, inputs: Any, budget: Optional[int], *, mode: s
         predicted_extra_seconds=region_model.extra_work(spans, chosen))
 
 
-def _xla_anchor(graph: LayerGraph, inputs: Any, least: tuple[float, tuple],
-                region_model: RegionModel, profile: ChainProfile, mode: str,
-                api: str) -> Optional[XlaAnchor]:
-    """For an XLA step: the least plan compiled and measured (once per profile)."""
-    if mode != "xla":
-        return None
-    key = _profile_key(graph, inputs, mode)
-    if key not in _anchors:
-        # Imported here: the runner plans with this module.
-        from tf_checkpointing._graph_runner import GraphRunner  # noqa: PLC0415
-
-        names = tuple(call.name for call in graph.calls)
-        runner = GraphRunner(graph, plan=ModelPlan(names, least[1], mode, None, 0, 0, 0))
-        least_bytes = measure_xla_step(lambda x: runner(x, training=True), inputs, api,
-                                       graph.model.non_trainable_variables)
-        _anchors[key] = XlaAnchor(model_least=least[0], model_plain=region_model.peak(()),
-                                  least_bytes=least_bytes, plain_bytes=profile.plain_peak_bytes)
-        while len(_anchors) > _CACHE_SIZE:
-            _anchors.pop(next(iter(_anchors)))
-    return _anchors[key]
-
-
 def step_mode(mode: str) -> str:
     """``"auto"`` resolved: ``"xla"`` while a ``jit_compile=True`` function is
     traced, ``"graph"`` while another ``tf.function`` is, else ``"eager"``."""
@@ -240,7 +219,7 @@ def _cached_profile(graph: LayerGraph, inputs: Any, mode: str,
     key = _profile_key(graph, inputs, mode)
     if key not in _profiles:
         _profiles[key] = (graph.model, *_profile(graph, inputs, mode=mode, api=api))
-        _anchors.pop(key, None)  # a new profile (the id may be another model's now)
+        forget_model_anchor(key)  # a new profile (the id may be another model's now)
         while len(_profiles) > _CACHE_SIZE:
             _profiles.pop(next(iter(_profiles)))
     return _profiles[key][1], _profiles[key][2]

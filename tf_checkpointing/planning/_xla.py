@@ -28,13 +28,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from tf_checkpointing._state import StateRecorder
 from tf_checkpointing.planning._allocator import concrete_inputs, in_fresh_thread, memory_device
 from tf_checkpointing.planning._graph_profile import graph_plain_peak
 
 __all__: list[str] = []
+
+_CACHE_SIZE = 4
+_model_anchors: dict[Any, XlaAnchor] = {}  # per profile key: the measured least plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,3 +100,29 @@ def measure_xla_step(run: Callable[[Any], Any], inputs: Any, api: str,
                     v.assign(value)
 
     return int(in_fresh_thread(measure))
+
+
+def model_anchor(key: Any, graph: Any, inputs: Any, least_spans: tuple, *,
+                 model_least: float, model_plain: float, plain_bytes: int,
+                 api: str) -> XlaAnchor:
+    """The anchor of a whole-model plan for an XLA step: its least plan
+    (``least_spans``) compiled and measured, once per profile ``key``."""
+    if key not in _model_anchors:
+        # Imported here: the runner plans with the model planner, which uses this.
+        from tf_checkpointing._graph_runner import GraphRunner  # noqa: PLC0415
+        from tf_checkpointing.planning._plan import ModelPlan  # noqa: PLC0415
+
+        names = tuple(call.name for call in graph.calls)
+        runner = GraphRunner(graph, plan=ModelPlan(names, least_spans, "xla", None, 0, 0, 0))
+        least_bytes = measure_xla_step(lambda x: runner(x, training=True), inputs, api,
+                                       graph.model.non_trainable_variables)
+        _model_anchors[key] = XlaAnchor(model_least=model_least, model_plain=model_plain,
+                                        least_bytes=least_bytes, plain_bytes=plain_bytes)
+        while len(_model_anchors) > _CACHE_SIZE:
+            _model_anchors.pop(next(iter(_model_anchors)))
+    return _model_anchors[key]
+
+
+def forget_model_anchor(key: Any) -> Optional[XlaAnchor]:
+    """Drops the anchor measured for profile ``key`` (its profile was replaced)."""
+    return _model_anchors.pop(key, None)
