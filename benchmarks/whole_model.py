@@ -40,7 +40,7 @@ from benchmarks import _cli  # noqa: E402
 MIB = 2**20
 MODELS = ("resnet50", "unet", "mobilenetv2", "gpt2")
 # Models whose budget plans are also made with save policies (policies="auto"):
-# the decoder, where keeping the products pays (issue 11's target).
+# the decoder, where keeping the products pays (the policy target).
 POLICY_MODELS = ("gpt2",)
 
 
@@ -248,7 +248,7 @@ def worker(name: str, tiny: bool, budgets: int, only: str = "", rounds: int = 5)
 
 def _with_policies(model: Any, x: Any, least: Any, measure: Any, wanted: Any) -> None:
     """The budget plans made with ``policies="auto"`` beside those without: at the
-    halfway budget (as "budget 0.50") and at half the plain peak (issue 11's target
+    halfway budget (as "budget 0.50") and at half the plain peak (the policy target
     on the decoder: at most 1.15x plain's step time, within the budget)."""
     import tf_checkpointing as tc
 

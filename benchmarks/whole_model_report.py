@@ -90,7 +90,7 @@ def targets(rows: list[dict]) -> list[tuple[str, str, bool]]:
             speed = half.get("step_x_plain_interleaved") or half["step_s"] / plain["step_s"]
             out.append((f"{model}: halfway budget step time <= 1.2x plain", f"{speed:.2f}x",
                         speed <= 1.2))
-    for r in rows:  # issue 11: policies on the decoder at half the plain peak
+    for r in rows:  # policies on the decoder at half the plain peak
         if r["strategy"] == "budget 1/2 plain policies=auto" and "peak_mib" in r:
             plain = _plain(rows, r["model"], False)
             speed = r.get("step_x_plain_interleaved") or (
