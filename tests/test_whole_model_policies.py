@@ -13,6 +13,7 @@ from helpers import assert_all_close, grads_of, ran_in_fresh_process
 
 import tf_checkpointing as tc
 from tf_checkpointing import policies
+from tf_checkpointing.planning import _choices
 
 DOTS, NO_BATCH = policies.dots_saveable, policies.dots_with_no_batch_dims_saveable
 
@@ -76,7 +77,18 @@ def test_a_plan_replaying_regions_under_policies_equals_plain(mode):
     assert "replayed with dots_with_no_batch_dims_saveable" in str(plan)
 
 
-def test_the_planner_replays_under_a_policy_where_it_saves_time():
+def _fixed_step_times(calls, *args, **kwargs):
+    """Step seconds over plain's: a replay under a policy a fifth of a full one."""
+    return {name: 0.0 if name == "plain" else 1e-3 if name == "replay" else 2e-4
+            for name in calls}
+
+
+def test_the_planner_replays_under_a_policy_where_it_saves_time(monkeypatch):
+    # Which plan is cheapest depends on measured step times; on a loaded 2-core
+    # CI machine the measured ratios once came out so that no budget chose a
+    # policy. The planner's choice is tested on fixed times (the bytes are still
+    # measured); the timing itself is the benchmark's business.
+    monkeypatch.setattr(_choices, "step_extra_seconds", _fixed_step_times)
     keras.utils.set_random_seed(0)
     model = dense_heavy(width=128, blocks=4)
     x = tf.random.stateless_normal([256, 128], [0, 2])
@@ -163,9 +175,12 @@ def test_policy_with_a_budget_points_to_policies_and_policies_need_a_budget():
 
 
 @pytest.mark.slow
-def test_a_plan_with_policies_keeps_its_budget(request):
+def test_a_plan_with_policies_keeps_its_budget(request, monkeypatch):
     if ran_in_fresh_process(request):
         return
+    # Fixed step times, so that a policy is chosen whatever the machine's load
+    # (see test_the_planner_replays_under_a_policy_where_it_saves_time).
+    monkeypatch.setattr(_choices, "step_extra_seconds", _fixed_step_times)
     keras.utils.set_random_seed(0)
     model = dense_heavy(width=256, blocks=4)
     x = tf.random.stateless_normal([1024, 256], [0, 4])
