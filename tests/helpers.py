@@ -10,6 +10,22 @@ from conftest import compile_step
 from tf_checkpointing import checkpointable
 
 
+def sgd_step(model, jit_compile=None):
+    """A training step of ``model`` as ``fit`` runs one: loss sum(out**2), its
+    gradients applied by SGD, in one ``tf.function`` (XLA with ``jit_compile``)."""
+    optimizer = keras.optimizers.SGD(1e-3)
+
+    @tf.function(jit_compile=jit_compile)
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(x, training=True) ** 2)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    return step
+
+
 def grads_of(fn, inputs, variables, mode, **call_kwargs):
     """(loss, input grads, variable grads) of sum(fn(*inputs)**2) in ``mode``."""
 

@@ -25,18 +25,7 @@ STEP = textwrap.dedent("""
     import keras, tensorflow as tf
     import tf_checkpointing as tc
 
-    def make_step(model):
-        optimizer = keras.optimizers.SGD(1e-3)
-
-        @tf.function
-        def step(x):
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_sum(model(x, training=True) ** 2)
-            grads = tape.gradient(loss, model.trainable_variables)
-            optimizer.apply_gradients(zip(grads, model.trainable_variables))
-            return loss
-
-        return step
+    from helpers import sgd_step as make_step  # tests/ is on the scripts' path
 """)
 
 SCRIPT = STEP + textwrap.dedent("""
@@ -85,7 +74,8 @@ SCRIPT = STEP + textwrap.dedent("""
 
 def _run(code):
     env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="3")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests"),
+                                         env.get("PYTHONPATH", "")])
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                           text=True, timeout=600, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]

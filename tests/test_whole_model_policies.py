@@ -9,7 +9,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import assert_all_close, grads_of, ran_in_fresh_process
+from helpers import assert_all_close, grads_of, ran_in_fresh_process, sgd_step
 
 import tf_checkpointing as tc
 from tf_checkpointing import policies
@@ -185,18 +185,6 @@ def test_a_plan_with_policies_keeps_its_budget(request, monkeypatch):
     model = dense_heavy(width=256, blocks=4)
     x = tf.random.stateless_normal([1024, 256], [0, 4])
     model(x)
-    optimizer = keras.optimizers.SGD(1e-3)
-
-    def make_step():
-        @tf.function
-        def step(x):
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_sum(model(x, training=True) ** 2)
-            grads = tape.gradient(loss, model.trainable_variables)
-            optimizer.apply_gradients(zip(grads, model.trainable_variables))
-            return loss
-
-        return step
 
     least = tc.plan_model(model, x, budget="min", mode="graph", policies="auto")
     results = []
@@ -205,7 +193,7 @@ def test_a_plan_with_policies_keeps_its_budget(request, monkeypatch):
             least.plain_peak_bytes - least.min_budget_bytes))
         plan = tc.plan_model(model, x, budget=budget, mode="graph", policies="auto")
         tc.apply_checkpointing(model, plan=plan)
-        step = make_step()
+        step = sgd_step(model)
         step(x)
         peak = min(tc.peak_memory(lambda step=step: step(x).numpy()) for _ in range(3))
         results.append((fraction, peak / 2**20, budget / 2**20, str(plan)))

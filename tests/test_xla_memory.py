@@ -41,16 +41,9 @@ LAYERS = textwrap.dedent("""
     x = tf.random.normal([16, 32, 32, 8])
 
     def xla_peak(model):
-        optimizer = keras.optimizers.SGD(1e-3)
+        from helpers import sgd_step  # tests/ is on the scripts' path
 
-        @tf.function(jit_compile=True)
-        def step(x):
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_sum(model(x, training=True) ** 2)
-            grads = tape.gradient(loss, model.trainable_variables)
-            optimizer.apply_gradients(zip(grads, model.trainable_variables))
-            return loss
-
+        step = sgd_step(model, jit_compile=True)
         step(x)  # traced (and planned) outside the measurement
         return tc.peak_memory(lambda: step(x).numpy())
 """)
@@ -103,7 +96,7 @@ GROWN = textwrap.dedent("""
 
 def _run(script: str) -> object:
     env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="3",
-               PYTHONPATH=str(REPO))
+               PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]))
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, timeout=900, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
