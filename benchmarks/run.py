@@ -61,7 +61,10 @@ DEFAULT_MODES: dict[str, dict[str, tuple[str, ...]]] = {
 _PLANNED_POLICIES = ("policy_plan", "budget_replay", "budget_policies")
 DEFAULT_STRATEGIES = {
     # policy_plan plans chains with one tensor state (not the U-Net): --strategies.
-    "tiny": tuple(s for s in STRATEGIES if s not in _PLANNED_POLICIES),
+    # One save policy smoke-tests the policy path; the others add a third of the
+    # tiny run's time (the tests run it) and only differ in what the policy picks.
+    "tiny": tuple(s for s in STRATEGIES if s not in _PLANNED_POLICIES
+                  and (s not in POLICIES or s == "dots_saveable")),
     # sqrt segments (a fixed schedule, between per-block and the budget plan) run with
     # --full and --strategies: the quick run stays under two minutes on 2 cores.
     "quick": tuple(s for s in STRATEGIES if s not in ("keras_remat", "sqrt_segments")
