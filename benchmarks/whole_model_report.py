@@ -4,8 +4,8 @@ Example:
     >>> rows = [dict(model="m", strategy="plain", xla=False, peak_mib=10.0, step_s=1.0),
     ...         dict(model="m", strategy="budget=min", xla=False, peak_mib=4.0, step_s=1.3,
     ...              budget_mib=4.2, predicted_mib=4.1, fraction=0.0)]
-    >>> print(table(rows).splitlines()[2][:40])
-    | m | plain | tf.function | - | 10.0 |
+    >>> print(table(rows).splitlines()[2][:47])
+    | m | plain | tf.function | - | 10.0 | - | 1.00
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ from typing import Any, Optional
 
 import tensorflow as tf
 
-_HEADER = ("| model | strategy | step | budget MiB | peak MiB | peak x plain | predicted MiB "
+# peak MiB: the median of the measured steps' peaks; max MiB: the largest of them.
+_HEADER = ("| model | strategy | step | budget MiB | peak MiB | max MiB | peak x plain "
+           "| predicted MiB "
            "| predicted / measured | step x plain | regions | plan s |")
 
 
@@ -47,7 +49,8 @@ def table(rows: list[dict]) -> str:
         lines.append(
             f"| {r['model']} | {r['strategy']}{batch}"
             f" | {'XLA' if r.get('xla') else 'tf.function'} | {_fmt(r.get('budget_mib'))} "
-            f"| {r['peak_mib']:.1f} | {_fmt(ratio, '.2f')} | {_fmt(pred)} "
+            f"| {r['peak_mib']:.1f} | {_fmt(r.get('peak_max_mib'))} | {_fmt(ratio, '.2f')} "
+            f"| {_fmt(pred)} "
             f"| {_fmt(pred / r['peak_mib'] if pred else None, '.2f')} | {_fmt(speed, '.2f')} "
             f"| {_fmt(r.get('regions'), 'd')} | {_fmt(r.get('plan_s'))} |")
     return "\n".join(lines)
@@ -79,8 +82,10 @@ def targets(rows: list[dict]) -> list[tuple[str, str, bool]]:
         if r.get("budget_mib") is None or "peak_mib" not in r or r["strategy"] == "budget=min":
             continue
         where = f"{r['model']} {r['strategy']}{' XLA' if r.get('xla') else ''}"
-        over = r["peak_mib"] / r["budget_mib"]
-        out.append((f"{where}: peak <= 1.05x budget", f"{over:.2f}x", over <= 1.05))
+        # Every step must fit the budget: the largest of the measured steps' peaks.
+        over = r.get("peak_max_mib", r["peak_mib"]) / r["budget_mib"]
+        out.append((f"{where}: every step's peak <= 1.05x budget", f"{over:.2f}x",
+                    over <= 1.05))
         if r.get("predicted_mib"):
             err = r["predicted_mib"] / r["peak_mib"] - 1
             out.append((f"{where}: predicted within 10%", f"{err:+.0%}", abs(err) <= 0.10))
