@@ -58,28 +58,29 @@ MODEL = LAYERS + textwrap.dedent("""
         model(x)
         return model
 
-    least = tc.plan_model(make(), x, budget="min", mode="xla")
-    half = (least.min_budget_bytes + least.plain_peak_bytes) // 2
+    # One model (profiled once); applying a plan replaces the one applied before.
+    model = make()
+    least = tc.plan_model(model, x, budget="min", mode="xla")
+    half = tc.plan_model(model, x, budget=(least.min_budget_bytes + least.plain_peak_bytes) // 2,
+                         mode="xla")
     result = {}
-    for name, budget in (("min", "min"), ("half", half)):
-        model = make()
-        plan = tc.plan_model(model, x, budget=budget, mode="xla")
+    for name, plan in (("min", least), ("half", half)):
         tc.apply_checkpointing(model, plan=plan)
         result[name] = (xla_peak(model), plan.budget_bytes or plan.min_budget_bytes)
     print(json.dumps(result))
 """)
 
 CHAIN = LAYERS + textwrap.dedent("""
-    least = tc.plan_sequential(layers(), x, budget="min", mode="xla")
-    half = (least.min_budget_bytes + least.plain_peak_bytes) // 2
-    result = {}
-    for name, budget in (("min", "min"), ("half", half)):
-        # Planned while the jit_compile=True step is traced: for XLA.
-        body = tc.CheckpointedSequential(layers(), budget=budget)
+    chain, budget, result = layers(), "min", {}
+    for name in ("min", "half"):
+        # Planned while the jit_compile=True step is traced: for XLA. The same
+        # layers both times, so the second plan reuses the first one's profile.
+        body = tc.CheckpointedSequential(chain, budget=budget)
         model = keras.Sequential([keras.Input((32, 32, 8), batch_size=16), body])
         peak = xla_peak(model)
         result[name] = (peak, body.plan.min_budget_bytes if budget == "min" else budget,
                         body.plan.profile.xla)
+        budget = (body.plan.min_budget_bytes + body.plan.plain_peak_bytes) // 2
     print(json.dumps(result))
 """)
 
