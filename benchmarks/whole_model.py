@@ -37,6 +37,7 @@ if str(_REPO) not in sys.path:
 # Sets TF_CPU_ALLOCATOR_USE_BFC, TF_CPP_MIN_LOG_LEVEL and TF_ENABLE_ONEDNN_OPTS (peaks that
 # do not depend on the host CPU), which the per-model subprocesses inherit.
 from benchmarks import _cli  # noqa: E402
+from benchmarks.whole_model_peaks import fresh_peaks, plan_spec  # noqa: E402
 
 MIB = 2**20
 PEAK_STEPS = 5  # steps whose peaks are measured per strategy
@@ -127,11 +128,31 @@ def _unet(image: int, channels: int) -> tuple[Any, Any, list[list[str]]]:
     return model, lambda b: tf.random.normal([b, image, image, 3]), blocks
 
 
+def training_step(model: Any, optimizer: Any, jit: bool) -> Any:
+    """One SGD step on the mean square of the model's outputs, as a ``tf.function``."""
+    import tensorflow as tf
+
+    def step(x: Any) -> Any:
+        with tf.GradientTape() as tape:
+            out = model(x, training=True)
+            loss = tf.add_n([tf.reduce_mean(tf.square(tf.cast(o, tf.float32)))
+                             for o in tf.nest.flatten(out)])
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+    return tf.function(step, jit_compile=jit)
+
+
+def _batch(inputs: Any) -> int:
+    import tensorflow as tf
+
+    return int(tf.nest.flatten(inputs)[0].shape[0])
+
+
 def worker(name: str, tiny: bool, budgets: int, only: str = "", rounds: int = 5) -> list[dict]:
     """Measures every strategy on one model (run in its own process); with
     ``only`` (a regular expression), the strategies whose names match it (and plain)."""
     import keras
-    import tensorflow as tf
 
     import tf_checkpointing as tc
     from tf_checkpointing._memory import grow_cpu_pool
@@ -150,24 +171,17 @@ def worker(name: str, tiny: bool, budgets: int, only: str = "", rounds: int = 5)
     def wanted(strategy: str) -> bool:
         return strategy == "plain" or not only or re.search(only, strategy) is not None
 
-    def step_fn(jit: bool) -> Any:
-        def step(x: Any) -> Any:
-            with tf.GradientTape() as tape:
-                out = model(x, training=True)
-                loss = tf.add_n([tf.reduce_mean(tf.square(tf.cast(o, tf.float32)))
-                                 for o in tf.nest.flatten(out)])
-            grads = tape.gradient(loss, model.trainable_variables)
-            optimizer.apply_gradients(zip(grads, model.trainable_variables))
-            return loss
-        return tf.function(step, jit_compile=jit)
-
-    def measure(strategy: str, jit: bool = False, inputs: Any = x, **extra: Any) -> dict:
-        step = step_fn(jit)
+    def measure(strategy: str, spec: dict, jit: bool = False, inputs: Any = x,
+                **extra: Any) -> dict:
+        step = training_step(model, optimizer, jit)
         step(inputs).numpy()  # trace (and plan) outside the measurement
-        # The executor's op order moves a step's peak (a U-Net's by up to 6 MiB of
-        # 25): the median of a few steps, and their largest (what must fit).
-        peaks = [tc.peak_memory(lambda: step(inputs).numpy()) / MIB
-                 for _ in range(1 if tiny else PEAK_STEPS)]
+        # The peak in a process of its own, as a user's run (see whole_model_peaks):
+        # the median of a few steps (the executor's op order moves a U-Net step's
+        # peak by up to 6 MiB of 25), and their largest (what must fit).
+        peaks = fresh_peaks(name, tiny, dict(spec, jit=jit, batch=_batch(inputs)),
+                            1 if tiny else PEAK_STEPS)
+        shared = [tc.peak_memory(lambda: step(inputs).numpy()) / MIB
+                  for _ in range(1 if tiny else 3)]
         times = []
         for _ in range(1 if tiny else 3):
             started = time.perf_counter()
@@ -175,6 +189,8 @@ def worker(name: str, tiny: bool, budgets: int, only: str = "", rounds: int = 5)
             times.append(time.perf_counter() - started)
         row = dict(model=name, strategy=strategy, xla=jit, peak_mib=statistics.median(peaks),
                    peak_max_mib=max(peaks), peaks_mib=[round(p, 2) for p in peaks],
+                   # here, after the strategies before it: the allocator's history
+                   peak_shared_mib=statistics.median(shared),
                    step_s=statistics.median(times), **extra)
         if not jit:
             steps[strategy] = (step, inputs)
@@ -187,14 +203,14 @@ def worker(name: str, tiny: bool, budgets: int, only: str = "", rounds: int = 5)
         for layer in model._flatten_layers(include_self=False, recursive=True):  # noqa: SLF001
             vars(layer).pop("call", None)
 
-    plain = measure("plain")
+    plain = measure("plain", {})
     if name in ("resnet50", "unet") and wanted("per-layer"):
         for cls in ("Conv2D", "BatchNormalization", "Activation"):
             tc.apply_checkpointing(model, [getattr(keras.layers, cls)])
-            measure(f"per-layer {cls}")
+            measure(f"per-layer {cls}", dict(select=cls))
             reset()
         tc.apply_checkpointing(model, lambda layer: not isinstance(layer, keras.layers.InputLayer))
-        measure("per-layer every layer")
+        measure("per-layer every layer", dict(select="every"))
         reset()
     started = time.perf_counter()
     least = tc.plan_model(model, x, budget="min", mode="graph")
@@ -204,7 +220,7 @@ def worker(name: str, tiny: bool, budgets: int, only: str = "", rounds: int = 5)
     hand = ModelPlan(least.call_names, spans, "graph", None, 0, 0, 0)
     if wanted("hand-written per-block"):
         tc.apply_checkpointing(model, plan=hand)
-        measure("hand-written per-block", regions=len(spans))
+        measure("hand-written per-block", dict(plan=plan_spec(hand)), regions=len(spans))
     for fraction in [0.0] + [(k + 1) / (budgets + 1) for k in range(budgets)]:
         if not wanted("budget=min" if fraction == 0.0 else f"budget {fraction:.2f}"):
             continue
@@ -216,6 +232,7 @@ def worker(name: str, tiny: bool, budgets: int, only: str = "", rounds: int = 5)
             plan = tc.plan_model(model, x, budget=budget, mode="graph")
         tc.apply_checkpointing(model, plan=plan)
         measure("budget=min" if fraction == 0.0 else f"budget {fraction:.2f}",
+                dict(plan=plan_spec(plan)),
                 budget_mib=(plan.budget_bytes or plan.min_budget_bytes) / MIB,
                 predicted_mib=plan.predicted_peak_bytes / MIB, fraction=fraction,
                 plan_s=plan_s if fraction == 0.0 else None, regions=len(plan.spans),
@@ -227,7 +244,7 @@ def worker(name: str, tiny: bool, budgets: int, only: str = "", rounds: int = 5)
     reset()
     if not wanted("XLA"):
         return rows
-    measure("plain", jit=True)
+    measure("plain", {}, jit=True)
     # Plans for the XLA step: the least, and the same fractions of the way to plain.
     try:
         xla_least = tc.plan_model(model, x, budget="min", mode="xla")
@@ -238,7 +255,8 @@ def worker(name: str, tiny: bool, budgets: int, only: str = "", rounds: int = 5)
                                                                    mode="xla")
             reset()
             tc.apply_checkpointing(model, plan=plan)
-            measure("budget=min" if fraction == 0.0 else f"budget {fraction:.2f}", jit=True,
+            measure("budget=min" if fraction == 0.0 else f"budget {fraction:.2f}",
+                    dict(plan=plan_spec(plan)), jit=True,
                     budget_mib=budget / MIB, fraction=fraction, regions=len(plan.spans),
                     predicted_mib=plan.predicted_peak_bytes / MIB)
     except Exception as error:  # noqa: BLE001 - reported in the table
@@ -247,7 +265,7 @@ def worker(name: str, tiny: bool, budgets: int, only: str = "", rounds: int = 5)
         big = batch_of(batch * 5 // 2)
         reset()
         tc.apply_checkpointing(model, budget="min")
-        measure("budget=min, batch x2.5", inputs=big, batch=batch * 5 // 2,
+        measure("budget=min, batch x2.5", dict(budget="min"), inputs=big, batch=batch * 5 // 2,
                 plain_batch16_peak_mib=plain["peak_mib"])
     return rows
 
@@ -270,7 +288,8 @@ def _with_policies(model: Any, x: Any, least: Any, measure: Any, wanted: Any) ->
         plan_s = time.perf_counter() - started
         tc.apply_checkpointing(model, plan=plan)
         kept = sum(p is not None for p in plan.region_policies)
-        measure(label, budget_mib=budget / MIB, predicted_mib=plan.predicted_peak_bytes / MIB,
+        measure(label, dict(plan=plan_spec(plan)), budget_mib=budget / MIB,
+                predicted_mib=plan.predicted_peak_bytes / MIB,
                 plan_s=plan_s, regions=len(plan.spans), policy_regions=kept,
                 extra_forward=plan.extra_forward_layers,
                 predicted_extra_ms=plan.predicted_extra_seconds * 1e3)
@@ -314,6 +333,9 @@ def main() -> None:
                         "1/2 plain'; 'XLA' selects the XLA rows")
     parser.add_argument("--rounds", type=int, default=5,
                         help="interleaved timing rounds of the policy comparison")
+    parser.add_argument("--parallel", type=int, default=1,
+                        help="models measured at once (peaks are per process; step-time "
+                        "ratios scatter more on a shared machine)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     _cli.add_output_arguments(parser)
     args = parser.parse_args()
@@ -323,15 +345,24 @@ def main() -> None:
         return
     env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="3")
     rows: list[dict] = []
-    for name in args.models.split(","):
+    names = args.models.split(",")
+    running: list[tuple[str, subprocess.Popen]] = []
+    for at, name in enumerate(names):
         command = [sys.executable, __file__, "--worker", name, "--budgets", str(args.budgets),
                    "--only", args.only, "--rounds", str(args.rounds)]
-        done = subprocess.run(command + (["--tiny"] if args.tiny else []), env=env,
-                              capture_output=True, text=True, check=False)
-        if done.returncode != 0:
-            rows.append(dict(model=name, strategy="(failed)", error=done.stderr[-2000:]))
+        running.append((name, subprocess.Popen(
+            command + (["--tiny"] if args.tiny else []), env=env, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True)))
+        if len(running) < args.parallel and at + 1 < len(names):
             continue
-        rows.extend(json.loads(done.stdout.strip().splitlines()[-1]))
+        for model, process in running:
+            stdout, stderr = process.communicate()
+            sys.stderr.write(stderr)
+            if process.returncode != 0:
+                rows.append(dict(model=model, strategy="(failed)", error=stderr[-2000:]))
+                continue
+            rows.extend(json.loads(stdout.strip().splitlines()[-1]))
+        running = []
     from benchmarks.whole_model_report import write  # noqa: PLC0415
 
     write(rows, _cli.output_dir(args) / "whole_model")
