@@ -235,6 +235,36 @@ def test_xla_plans_are_scaled_to_the_measured_xla_step():
                          mode="xla").mode == "xla"
 
 
+def test_an_xla_plan_that_measures_above_its_budget_is_chosen_again():
+    """XLA's peak is not a line in the model's peak (ResNet50's plans between the
+    least and plain measured up to 24% above it): the plan chosen for a budget
+    is measured, and chosen again on the curve through the measured points."""
+    from tf_checkpointing.planning._xla import XlaAnchor, plan_within
+
+    anchor = XlaAnchor(model_least=100, model_plain=400, least_bytes=250, plain_bytes=400)
+
+    def xla_peak(g):  # steeper than the anchors' line, flat near plain
+        return min(400.0, 250 + 1.5 * (g - 100))
+
+    candidates = [100, 150, 200, 250, 300, 350, 400]  # the plans' model peaks
+    measured = []
+
+    def solve_for(limit):
+        g = max(c for c in candidates if c <= limit)
+        return g, ((0, g, ()),), ()
+
+    def measure(spans, chosen):
+        measured.append(spans[0][1])
+        return xla_peak(spans[0][1])
+
+    found, fitted = plan_within(None, anchor, 325.0, solve_for, measure)
+    # The line picks the plan at 250 (predicted 325, measured 400); the curve
+    # through that point picks the one at 150, which measures 325.
+    assert measured == [250, 150]
+    assert found[0] == 150 and fitted.predict(150) == xla_peak(150) == 325.0
+    assert fitted.predict(250) == 400.0 and fitted.model_limit(325.0) == 150.0
+
+
 def test_nested_regions_equal_plain(mode):
     """A region whose replay checkpoints a sub-region of its own (one level)."""
     keras.utils.set_random_seed(0)

@@ -28,6 +28,7 @@ __all__: list[str] = []
 class _Flags(threading.local):
     checkpointing: bool = False
     recomputing: bool = False
+    entered: int = 0  # checkpoint scopes entered so far (forwards and replays)
 
 
 _flags = _Flags()
@@ -66,7 +67,14 @@ def checkpoint_scope(*, recomputing: bool) -> Iterator[None]:
     whether the body returns or raises."""
     saved = (_flags.checkpointing, _flags.recomputing)
     _flags.checkpointing, _flags.recomputing = True, recomputing
+    _flags.entered += 1
     try:
         yield
     finally:
         _flags.checkpointing, _flags.recomputing = saved
+
+
+def checkpoint_scopes_entered() -> int:
+    """How many checkpoint scopes this thread has entered: a caller compares two
+    readings to learn whether a checkpointed call ran in between."""
+    return _flags.entered

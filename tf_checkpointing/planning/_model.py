@@ -35,7 +35,12 @@ from tf_checkpointing.planning._profile import profile_chain
 from tf_checkpointing.planning._region_solver import nested_options, solve
 from tf_checkpointing.planning._regions import GraphCosts, RegionModel
 from tf_checkpointing.planning._saved_inputs import saved_inputs
-from tf_checkpointing.planning._xla import forget_model_anchor, model_anchor
+from tf_checkpointing.planning._xla import (
+    forget_model_anchor,
+    measure_plan,
+    model_anchor,
+    plan_within,
+)
 
 __all__ = ["ModelPlan", "plan_model"]
 
@@ -146,8 +151,9 @@ def plan_graph(graph: LayerGraph, inputs: Any, budget: Optional[int], *, mode: s
     assert least is not None  # every call alone, checkpointed or not, is a plan
     plain_peak = profile.plain_peak_bytes
     # For XLA, the model's peaks are mapped onto two measured XLA steps (see _xla).
+    key = _profile_key(graph, inputs, mode)
     anchor = None if mode != "xla" else model_anchor(
-        _profile_key(graph, inputs, mode), graph, inputs, least[1], model_least=least[0],
+        key, graph, inputs, least[1], model_least=least[0],
         model_plain=region_model.peak(()), plain_bytes=profile.plain_peak_bytes, api=api)
     predict = anchor.predict if anchor is not None else float
     helps = anchor is None or anchor.helps
@@ -173,8 +179,18 @@ def plan_graph(graph: LayerGraph, inputs: Any, budget: Optional[int], *, mode: s
         )
     else:
         usable = budget * (1 - _HEADROOM)
-        limit = anchor.model_limit(usable) if anchor is not None else usable
-        found = solve(region_model, limit, nested=nested, with_policies=True)
+        if anchor is None:
+            found = solve(region_model, usable, nested=nested, with_policies=True)
+        else:  # chosen on the measured curve, and measured (see _xla.plan_within)
+            def solve_for(limit: float) -> Optional[tuple]:
+                got = solve(region_model, limit, nested=nested, with_policies=True)
+                return None if got is None else (
+                    region_model.peak(got[1], policies=got[2]), got[1], got[2])
+
+            found, anchor = plan_within(key, anchor, usable, solve_for, lambda spans, chosen:
+                                        measure_plan(graph, inputs, api, spans, tuple(
+                                            policies[p] if p >= 0 else None for p in chosen)))
+            predict = anchor.predict
         spans, chosen = ((found[1], found[2]) if found is not None
                          else (least_spans, least_chosen))
     return dataclasses.replace(

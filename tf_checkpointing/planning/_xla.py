@@ -22,6 +22,22 @@ least-memory plan, and map their model's peak ``g`` through the line that
 takes the model's least and plain peaks to the measured ones: the constant
 part is the intercept, the activations the slope. A budget is met when the
 mapped peak fits it.
+
+The relation between ``g`` and XLA's peak is not a line, and depends on the
+model (measured, 2026-11-23, each plan one compiled SGD step): on ResNet50
+(128x128, batch 16) the least plan (``g`` 128 MiB) measured 301 MiB and
+plain (512) 512-525, but plans between them measured far above the line:
+``g`` 166, 243, 313, 397 MiB measured 398, 435, 485, 510 (the line: 322,
+364, 403, 449); the least plan is a low point of its own, and XLA saves
+little until nearly everything is checkpointed. On GPT2Backbone, where each
+checkpointed block saves about 23 MiB, the line missed by -10% to +13% (it
+does not tell a plan of four blocks, ``g`` 88, measured 83, from one of
+three, ``g`` 93, measured 106); on the U-Net plans of equal ``g`` measured
+up to 15% apart. So a whole-model plan for a budget is also checked: the
+plan chosen for the budget is compiled and measured, its measured peak
+becomes one more point of the mapping (a monotone piecewise-linear curve
+through every point measured for the profile), and if it does not fit, the
+plan is chosen again on the corrected curve (:func:`plan_within`).
 """
 
 from __future__ import annotations
@@ -42,7 +58,13 @@ _model_anchors: dict[Any, XlaAnchor] = {}  # per profile key: the measured least
 
 @dataclasses.dataclass(frozen=True)
 class XlaAnchor:
-    """The model's peaks of the least and the plain plan, and the XLA steps'.
+    """The model's peaks of the least and the plain plan, the XLA steps', and
+    any further plans measured (``points``: ``(model bytes, XLA bytes)``).
+
+    The mapping is the monotone piecewise-linear curve through all of them
+    (each measured peak raised to the largest measured at a smaller model
+    peak, so that a plan the model says needs more is never predicted to need
+    less); with no further points, the line through the two anchors.
 
     Example:
         >>> from tf_checkpointing.planning._xla import XlaAnchor
@@ -52,12 +74,16 @@ class XlaAnchor:
         (250.0, 400.0, 325.0)
         >>> anchor.model_limit(325.0)
         250.0
+        >>> bent = anchor.with_point(200, 370)   # a plan measured above the line
+        >>> bent.predict(200), bent.predict(150), bent.model_limit(310.0)
+        (370.0, 310.0, 150.0)
     """
 
     model_least: float
     model_plain: float
     least_bytes: int
     plain_bytes: int
+    points: tuple[tuple[float, float], ...] = ()
 
     @property
     def helps(self) -> bool:
@@ -66,17 +92,57 @@ class XlaAnchor:
 
     @property
     def slope(self) -> float:
+        """The slope of the line through the two anchors (1 if it does not help)."""
         if not self.helps:
             return 1.0
         return (self.plain_bytes - self.least_bytes) / (self.model_plain - self.model_least)
 
+    def with_point(self, model_bytes: float, xla_bytes: float) -> XlaAnchor:
+        """The anchor with one more plan measured (not below the least plan: the
+        least plan's peak, and so the least budget, stays the measured one)."""
+        if model_bytes <= self.model_least:
+            return self
+        return dataclasses.replace(self, points=(*self.points, (float(model_bytes),
+                                                                float(xla_bytes))))
+
+    def _curve(self) -> tuple[list[float], list[float]]:
+        """The curve's knots: model peaks (increasing) and XLA peaks (non-decreasing)."""
+        knots = sorted({(float(self.model_least), float(self.least_bytes)),
+                        (float(self.model_plain), float(self.plain_bytes)), *self.points})
+        xs: list[float] = []
+        ys: list[float] = []
+        for x, y in knots:
+            y = max(y, ys[-1]) if ys else y
+            if xs and x == xs[-1]:
+                ys[-1] = max(ys[-1], y)
+            else:
+                xs.append(x)
+                ys.append(y)
+        return xs, ys
+
     def predict(self, model_bytes: float) -> float:
         """The XLA peak of a plan the model predicts ``model_bytes`` for."""
-        return self.least_bytes + self.slope * (model_bytes - self.model_least)
+        if not self.helps:
+            return float(self.least_bytes + (model_bytes - self.model_least))
+        xs, ys = self._curve()
+        if model_bytes <= xs[0]:  # below the least plan: the anchors' slope
+            return ys[0] + self.slope * (model_bytes - xs[0])
+        if model_bytes >= xs[-1]:
+            return ys[-1] + self.slope * (model_bytes - xs[-1])
+        k = next(i for i in range(1, len(xs)) if model_bytes <= xs[i])
+        return ys[k - 1] + (ys[k] - ys[k - 1]) * (model_bytes - xs[k - 1]) / (xs[k] - xs[k - 1])
 
     def model_limit(self, xla_bytes: float) -> float:
-        """The model peak a plan may have for its XLA peak to be ``xla_bytes``."""
-        return self.model_least + (xla_bytes - self.least_bytes) / self.slope
+        """The largest model peak whose mapped XLA peak is at most ``xla_bytes``."""
+        if not self.helps:
+            return float(self.model_least + (xla_bytes - self.least_bytes))
+        xs, ys = self._curve()
+        if xla_bytes < ys[0]:
+            return xs[0] + (xla_bytes - ys[0]) / self.slope
+        if xla_bytes >= ys[-1]:
+            return xs[-1] + (xla_bytes - ys[-1]) / self.slope
+        k = next(i for i in range(1, len(xs)) if xla_bytes < ys[i])
+        return xs[k - 1] + (xs[k] - xs[k - 1]) * (xla_bytes - ys[k - 1]) / (ys[k] - ys[k - 1])
 
 
 def measure_xla_step(run: Callable[[Any], Any], inputs: Any, api: str,
@@ -108,14 +174,7 @@ def model_anchor(key: Any, graph: Any, inputs: Any, least_spans: tuple, *,
     """The anchor of a whole-model plan for an XLA step: its least plan
     (``least_spans``) compiled and measured, once per profile ``key``."""
     if key not in _model_anchors:
-        # Imported here: the runner plans with the model planner, which uses this.
-        from tf_checkpointing._graph_runner import GraphRunner  # noqa: PLC0415
-        from tf_checkpointing.planning._plan import ModelPlan  # noqa: PLC0415
-
-        names = tuple(call.name for call in graph.calls)
-        runner = GraphRunner(graph, plan=ModelPlan(names, least_spans, "xla", None, 0, 0, 0))
-        least_bytes = measure_xla_step(lambda x: runner(x, training=True), inputs, api,
-                                       graph.model.non_trainable_variables)
+        least_bytes = measure_plan(graph, inputs, api, least_spans)
         _model_anchors[key] = XlaAnchor(model_least=model_least, model_plain=model_plain,
                                         least_bytes=least_bytes, plain_bytes=plain_bytes)
         while len(_model_anchors) > _CACHE_SIZE:
@@ -123,6 +182,46 @@ def model_anchor(key: Any, graph: Any, inputs: Any, least_spans: tuple, *,
     return _model_anchors[key]
 
 
+def measure_plan(graph: Any, inputs: Any, api: str, spans: tuple,
+                 region_policies: tuple = ()) -> int:
+    """The peak of the XLA step of ``graph``'s model run by the plan of ``spans``."""
+    # Imported here: the runner plans with the model planner, which uses this.
+    from tf_checkpointing._graph_runner import GraphRunner  # noqa: PLC0415
+    from tf_checkpointing.planning._plan import ModelPlan  # noqa: PLC0415
+
+    names = tuple(call.name for call in graph.calls)
+    plan = ModelPlan(names, spans, "xla", None, 0, 0, 0, region_policies=region_policies)
+    runner = GraphRunner(graph, plan=plan)
+    return measure_xla_step(lambda x: runner(x, training=True), inputs, api,
+                            graph.model.non_trainable_variables)
+
+
 def forget_model_anchor(key: Any) -> Optional[XlaAnchor]:
     """Drops the anchor measured for profile ``key`` (its profile was replaced)."""
     return _model_anchors.pop(key, None)
+
+
+def plan_within(key: Any, anchor: XlaAnchor, usable: float,
+                solve_for: Callable[[float], Optional[tuple]],
+                measure_spans: Callable[[tuple, tuple], int],
+                tries: int = 3) -> tuple[Optional[tuple], XlaAnchor]:
+    """The plan for an XLA budget of ``usable`` bytes, checked by measuring it.
+
+    ``solve_for(limit)`` returns the plan (``(model bytes, spans, chosen)``)
+    whose model peak fits ``limit``, or None; ``measure_spans`` compiles and
+    measures a plan's XLA step. Each measured plan becomes a point of the
+    anchor (kept for ``key``, so later budgets start from the corrected
+    curve); a plan that measured above ``usable`` is chosen again on the
+    corrected curve, up to ``tries`` times. Returns the plan that fits (None:
+    none did, take the least plan) and the anchor."""
+    for _ in range(tries):
+        found = solve_for(anchor.model_limit(usable))
+        if found is None or not found[1]:
+            return found, anchor
+        measured = measure_spans(found[1], found[2])
+        anchor = anchor.with_point(found[0], measured)
+        if key in _model_anchors:
+            _model_anchors[key] = anchor
+        if measured <= usable:
+            return found, anchor
+    return None, anchor
