@@ -20,6 +20,7 @@ and plain and the budget plans are timed again in interleaved rounds.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import re
@@ -345,24 +346,21 @@ def main() -> None:
         return
     env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="3")
     rows: list[dict] = []
-    names = args.models.split(",")
-    running: list[tuple[str, subprocess.Popen]] = []
-    for at, name in enumerate(names):
+    def measured(name: str) -> subprocess.CompletedProcess:
         command = [sys.executable, __file__, "--worker", name, "--budgets", str(args.budgets),
                    "--only", args.only, "--rounds", str(args.rounds)]
-        running.append((name, subprocess.Popen(
-            command + (["--tiny"] if args.tiny else []), env=env, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True)))
-        if len(running) < args.parallel and at + 1 < len(names):
-            continue
-        for model, process in running:
-            stdout, stderr = process.communicate()
-            sys.stderr.write(stderr)
-            if process.returncode != 0:
-                rows.append(dict(model=model, strategy="(failed)", error=stderr[-2000:]))
+        return subprocess.run(command + (["--tiny"] if args.tiny else []), env=env,
+                              capture_output=True, text=True, check=False)
+
+    names = args.models.split(",")
+    # A pool of `parallel` workers, each a process of its own; rows in model order.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.parallel)) as pool:
+        for name, done in zip(names, pool.map(measured, names)):
+            sys.stderr.write(done.stderr)
+            if done.returncode != 0:
+                rows.append(dict(model=name, strategy="(failed)", error=done.stderr[-2000:]))
                 continue
-            rows.extend(json.loads(stdout.strip().splitlines()[-1]))
-        running = []
+            rows.extend(json.loads(done.stdout.strip().splitlines()[-1]))
     from benchmarks.whole_model_report import write  # noqa: PLC0415
 
     write(rows, _cli.output_dir(args) / "whole_model")
