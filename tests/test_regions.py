@@ -76,3 +76,59 @@ def test_the_least_plan_cuts_after_the_last_backward_reading_the_skip():
     peak, spans = solve(model, None)
     assert model.peak(((0, 2, ()),)) < model.peak(((0, 1, ()), (1, 3, ())))
     assert peak < RegionModel(_skip_costs(None)).peak(spans)
+
+
+def _block_costs(savers):
+    # A residual block: call 0 makes x (10 units), calls 1 (branch conv) and 2
+    # (branch BatchNorm, whose output no backward reads) form the main branch, 3
+    # is the shortcut conv beside them, 4 adds. Tensors: input, x, h1, h2, s, y.
+    n = 5
+    return GraphCosts(
+        kept=np.array([10.0, 4, 4, 4, 1]), fwd=np.array([10.0, 4, 4, 4, 1]),
+        fwd0=np.array([10.0, 4, 4, 4, 1]), bwd=np.array([0.0, 1, 8, 3, 0]),
+        wgrad=np.zeros(n), cost=np.ones(n), dx=np.ones(n + 1),
+        size=np.array([1.0, 10, 4, 4, 4, 1]), producer=np.arange(-1, n),
+        last=np.array([0, 3, 2, 4, 4, 5]), readers=[[0], [1, 3], [2], [4], [4], []],
+        floating=np.ones(n + 1, bool), savers=savers,
+        saver_last=np.array([max(s, default=-1) for s in savers]))
+
+
+_SAVERS = [[0], [1, 3], [2], [], [], [5]]  # h2 (BatchNorm's output) and s: no backward
+
+
+def test_a_replay_holds_no_output_that_no_backward_reads():
+    model = RegionModel(_block_costs(_SAVERS))
+    assert model.free_out[2] == 4.0 and model.free_out[0] == 0.0
+    # Replaying the block's calls 1-4 holds calls 1 and 3's kept bytes, not call
+    # 2's output (read only by the add): 20 units fewer than all of them.
+    everything = RegionModel(_block_costs([[0], [1, 3], [2], [4], [4], [5]]))
+    assert model.bwd_region[1, 5] < everything.bwd_region[1, 5]
+
+
+def test_an_output_its_own_backward_reads_is_not_free():
+    # relu-like: call 2's own backward reads h2 (a saver at its producer).
+    own = [[0], [1, 3], [2], [2], [], [5]]
+    assert RegionModel(_block_costs(own)).free_out[2] == 0.0
+    assert RegionModel(_block_costs(_SAVERS)).free_out[2] == 4.0
+
+
+def test_branches_beside_each_other_run_their_backward_together():
+    model = RegionModel(_block_costs(_SAVERS))
+    # Call 3 (the shortcut) is beside calls 1 and 2; call 4 (the add) and call 0 are not.
+    assert list(model.costs.bwd[[1, 2, 3]]) == [1, 8, 3]
+    from tf_checkpointing.planning._lifetimes import concurrent_backward
+    beside = concurrent_backward(model.costs)
+    assert beside[3] == 8.0 and beside[1] == 3.0 and beside[2] == 3.0
+    assert beside[0] == 0.0 and beside[4] == 0.0
+
+
+def test_a_region_input_is_counted_twice_only_when_original_and_copy_both_live():
+    # x (10 units) enters region [1, 4): its copy lives while call 1's backward
+    # reads it. The original lives on only if a backward before the region reads
+    # it too (call 0 saving its own output); else the region's copy replaces it.
+    copied_only = RegionModel(_block_costs(_SAVERS))
+    assert copied_only.double[1, 4] == 0.0
+    assert copied_only.enter[1, 4] == 10.0   # at the replay's start, the copy
+    both = RegionModel(_block_costs([[0], [0, 1, 3], [2], [], [], [5]]))
+    assert both.double[1, 4] == 10.0
+    assert both.need(1, 4, True) >= copied_only.need(1, 4, True) + 10.0 - 1e-9

@@ -34,7 +34,7 @@ from tf_checkpointing.planning._plan import ModelPlan
 from tf_checkpointing.planning._profile import profile_chain
 from tf_checkpointing.planning._region_solver import nested_options, solve
 from tf_checkpointing.planning._regions import GraphCosts, RegionModel
-from tf_checkpointing.planning._saved_inputs import saved_inputs
+from tf_checkpointing.planning._saved_inputs import saved_tensors
 from tf_checkpointing.planning._xla import (
     forget_model_anchor,
     measure_plan,
@@ -287,11 +287,14 @@ def _profile(graph: LayerGraph, inputs: Any, *, mode: str,
     finally:
         in_fresh_thread(lambda: [v.assign(value) for v, value in zip(state, saved)])
     readers = graph.consumers()
-    saved = saved_inputs(graph, same)
+    saved = saved_tensors(graph, same)
     outputs = set(graph.output_keys)
-    # The last call whose backward reads each tensor (n: a model output, -1: none).
-    saver_last = [n if k in outputs else max((i for i in readers.get(k, []) if k in saved[i]),
-                                              default=-1) for k in keys]
+    # The calls whose backward reads each tensor, in order: its readers that save
+    # it, and its producer if its own backward reads it (a relu's output); n for a
+    # model output (held to the end).
+    savers = [sorted({i for i in readers.get(k, []) if k in saved[i][0]}
+                     | ({made[k]} if made[k] >= 0 and k in saved[made[k]][1] else set())
+                     | ({n} if k in outputs else set())) for k in keys]
     layers = profile.layers
     costs = GraphCosts(
         kept=np.array([p.kept_bytes for p in layers], float),
@@ -311,7 +314,8 @@ def _profile(graph: LayerGraph, inputs: Any, *, mode: str,
         floating=np.array([sizes.get(k, (0, False))[1] for k in keys]),
         own_wgrad=np.array([0 if mode == "eager" else p.weight_grad_bytes for p in layers],
                            float),
-        saver_last=np.array(saver_last))
+        saver_last=np.array([max(s, default=-1) for s in savers]),
+        savers=savers)
     return profile, costs
 
 

@@ -171,7 +171,7 @@ def nested_options(model: RegionModel, max_len: int = 24, units: int = 40) -> di
             inner = _best(tables, None, a, c, None)
             if inner is None or not inner[1]:
                 continue
-            need = max(model.fwd_ckpt[a, c], inner[0] + model.enter[a, c] + model.kept_in[a, c])
+            need = model.replay_need(a, c, inner[0])
             if need < flat * 0.97:
                 inner_work = sum(model.cost_prefix[e] - model.cost_prefix[s]
                                  for s, e, _ in inner[1])

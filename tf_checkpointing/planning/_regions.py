@@ -49,103 +49,51 @@ peak of its replay with sub-regions (one run per start gives every end), and
 the outer program may take the region flat or nested (paying the sub-regions'
 recomputation too).
 
-This module is the memory model (:class:`RegionModel`); the program itself is
-:mod:`._region_solver`. All bytes come from the allocator
-(:mod:`tf_checkpointing.planning._profile`, run on the graph as a chain of "live
-tensor" states), and the per-call bytes are scaled to the measured plain step, as
-the chain planner does.
+This module is the memory model (:class:`RegionModel`), built on the tensor
+lifetimes of :mod:`._lifetimes`; the program itself is :mod:`._region_solver`.
+All bytes come from the allocator (:mod:`tf_checkpointing.planning._profile`,
+run on the graph as a chain of "live tensor" states), and the per-call bytes of
+plain calls are scaled to the measured plain step, as the chain planner does.
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 from typing import Any, Optional
 
 import numpy as np
 
-__all__: list[str] = []
+from tf_checkpointing.planning._lifetimes import GraphCosts, Lifetimes
 
-
-
-@dataclasses.dataclass
-class GraphCosts:
-    """The numbers the program needs, per call ``i`` (``n`` calls) and per tensor.
-
-    ``kept, fwd, fwd0, bwd, wgrad, cost``: per call (from the profile).
-    ``own_wgrad``: per call, the weight-gradient bytes a replay holds until its
-    backward ends (a compiled step's; eager steps count them in ``wgrad``).
-    ``dx``: ``n + 1`` gradient bytes of the tensors alive at each cut.
-    ``size, producer, last, readers``: per tensor: bytes, the call making it
-    (-1 for a model input), the last call reading it (``n`` for an output),
-    and whether it is floating (``floating``).
-    ``saver_last``: per tensor, the last call whose backward reads it (-1: none,
-    ``n`` for an output); None: every reader's (``last``).
-    """
-
-    kept: np.ndarray
-    fwd: np.ndarray
-    fwd0: np.ndarray
-    bwd: np.ndarray
-    wgrad: np.ndarray
-    cost: np.ndarray
-    dx: np.ndarray
-    size: np.ndarray
-    producer: np.ndarray
-    last: np.ndarray
-    readers: list
-    floating: np.ndarray
-    own_wgrad: Optional[np.ndarray] = None
-    saver_last: Optional[np.ndarray] = None
-    # [call, policy]: bytes a region replayed under the policy keeps of the
-    # call on top of its inputs, and the call's replay seconds under it.
-    policy_kept: Optional[np.ndarray] = None
-    policy_cost: Optional[np.ndarray] = None
-
-    @property
-    def n(self) -> int:
-        return len(self.kept)
+__all__ = ["GraphCosts", "RegionModel", "pieces"]
 
 
 class RegionModel:
     """Tables of the memory model over all ``(start, stop)`` pairs of cuts.
 
     ``plain_scale`` multiplies the per-call bytes of calls run plainly (not
-    those of replays): a compiled step frees the intermediates of plain calls
-    sooner than their per-call graphs do, which a factor fitted to the
-    measured plain step captures (0.57 on ResNet50); a replay, one tape
-    inside a custom gradient, keeps what the per-call graphs measured (with
-    the raw numbers the ResNet50 least plan is predicted at 175 MiB, measured
-    176 MiB).
+    those of replays): fitted so that the model predicts the measured plain
+    step, it absorbs what per-call graphs measure differently from one whole
+    step (0.96-1.04 on the four benchmark models; 0.57 on ResNet50 when the
+    outputs no backward reads were still counted). A replay's calls keep
+    what their per-call graphs measured, less those outputs, and a call's
+    backward runs beside those of parallel branches (see :mod:`._lifetimes`).
     """
 
     def __init__(self, costs: GraphCosts, plain_scale: float = 1.0) -> None:
         n = self.n = costs.n
         self.costs = costs
-        self.kept_prefix = np.concatenate([[0.0], np.cumsum(costs.kept)])
         self.cost_prefix = np.concatenate([[0.0], np.cumsum(costs.cost)])
         w_suffix = np.concatenate([np.cumsum(costs.wgrad[::-1])[::-1], [0.0]])
-        # by_made_alive[p + 1, i]: bytes made by call p (row 0: inputs) alive at cut i.
-        by_made_alive = np.zeros((n + 1, n + 1))
-        for size, p, last in zip(costs.size, costs.producer, costs.last):
-            by_made_alive[p + 1, p + 1:last + 1] += size
-        made_prefix = np.vstack([np.zeros((1, n + 1)), np.cumsum(by_made_alive, axis=0)])
-        # live[a, i]: bytes made by calls [a, i) still read at or after i.
-        rows = np.arange(n + 1)
-        self.live = made_prefix[rows[None, :] + 1, rows[None, :]] - made_prefix[rows[:, None] + 1,
-                                                                                 rows[None, :]]
-        self._forward_only(costs)
-        # enter[a, c]: floating bytes made before a and read in [a, c) (the
-        # replay's fresh copies of its inputs).
-        self.enter = np.zeros((n + 1, n + 1))
-        for t, reads in enumerate(costs.readers):
-            if not costs.floating[t] or not reads:
-                continue
-            reads, at = sorted(reads), 0
-            for a in range(costs.producer[t] + 1, reads[-1] + 1):
-                while reads[at] < a:
-                    at += 1
-                self.enter[a, reads[at] + 1:] += costs.size[t]
+        tables = Lifetimes(costs)
+        self.live, self.held_live, self.passing = tables.live, tables.held_live, tables.passing
+        self.kept_in, self.free_out = tables.kept_in, tables.free_out
+        self.enter, self.double = tables.enter, tables.double
+        # A replay is a graph too: the outputs no backward reads are freed as soon
+        # as the forward read them (ResNet50's BatchNorm and Add outputs), so its
+        # calls hold what they keep without those.
+        self.kept_prefix = np.concatenate([[0.0], np.cumsum(np.maximum(
+            costs.kept - self.free_out, 0.0))])
         self.fwd_ckpt = np.full((n + 1, n + 1), -np.inf)
         self.bwd_region = np.full((n + 1, n + 1), -np.inf)
         # A replay's weight gradients wait for all its gradients (so that no
@@ -153,13 +101,14 @@ class RegionModel:
         # calls [k, c) are held at the backward of call k of region [a, c).
         own = np.zeros(n) if costs.own_wgrad is None else costs.own_wgrad
         own_prefix = np.concatenate([[0.0], np.cumsum(own)])
+        beside = tables.beside
         for a in range(n):
             k = np.arange(a, n)
             ckpt = np.maximum.accumulate(self.live[a, k] + costs.fwd0[k]
                                          + self.passing[a, k])
             back = np.maximum.accumulate(self.kept_prefix[k + 1] - self.kept_prefix[a]
                                          + costs.dx[k + 1] + w_suffix[k + 1] + costs.bwd[k]
-                                         - own_prefix[k])
+                                         + beside[k] - own_prefix[k])
             self.fwd_ckpt[a, a + 1:] = ckpt
             self.bwd_region[a, a + 1:] = back + own_prefix[k + 1]
         self._w_suffix, self.plain_scale = w_suffix, 1.0
@@ -172,47 +121,11 @@ class RegionModel:
         self.policy_cost_prefix = np.vstack([zero, np.cumsum(policy_cost, axis=0)])
         self.rescale_plain(plain_scale)
 
-    def _forward_only(self, costs: GraphCosts) -> None:
-        """The tables of tensors that no backward after some cut reads.
-
-        A tensor made in ``[a, c)`` and read after ``c`` only by calls whose
-        backward does not read it (a U-Net skip read by ``Concatenate``) is free
-        once the forward read it: the region does not hold it for the backward
-        (``held_live``). If a later region reads it, that region keeps it as
-        its input until its backward (``kept_in``: charged there, not where it
-        was made). In the forward it is alive until its last read
-        (``passing``: counted in the forward peaks of the calls it passes).
-        """
-        n = self.n
-        saver = costs.last if costs.saver_last is None else np.minimum(costs.saver_last,
-                                                                         costs.last)
-        rows = np.arange(n + 1)
-        held_alive = np.zeros((n + 1, n + 1))   # as by_made_alive, until the last saver
-        free_alive = np.zeros((n + 1, n + 1))   # alive in the forward, past the last saver
-        self.kept_in = np.zeros((n + 1, n + 1))
-        for t, (size, p, last) in enumerate(zip(costs.size, costs.producer, costs.last)):
-            if p < 0:  # a model input: allocated before the step, never counted
-                continue
-            held_alive[p + 1, p + 1:saver[t] + 1] += size
-            free_alive[p + 1, max(p, saver[t]) + 1:last + 1] += size
-            reads = sorted(r for r in costs.readers[t] if r > saver[t] and r > p)
-            # A region [a, c) with a > saver[t] reading it keeps it (its first read r >= a).
-            at = 0
-            for a in range(max(p, saver[t]) + 1, (reads[-1] + 1) if reads else 0):
-                while reads[at] < a:
-                    at += 1
-                self.kept_in[a, reads[at] + 1:] += size
-        held_prefix = np.vstack([np.zeros((1, n + 1)), np.cumsum(held_alive, axis=0)])
-        self.held_live = (held_prefix[rows[None, :] + 1, rows[None, :]]
-                          - held_prefix[rows[:, None] + 1, rows[None, :]])
-        # passing[a, k]: forward-only bytes made before a, alive at cut k.
-        self.passing = np.vstack([np.zeros((1, n + 1)), np.cumsum(free_alive, axis=0)])[1:]
-        # Outputs of plain call k that no backward reads: not held by its tape.
-        free_out = np.zeros(n)
-        for size, p, s in zip(costs.size, costs.producer, saver):
-            if p >= 0 and s <= p:
-                free_out[p] += size
-        self.free_out = free_out
+    def replay_need(self, a: int, c: int, replay_peak: float) -> float:
+        """Peak of checkpointed region ``[a, c)`` whose replay (its calls'
+        backward, from the first copy on) peaks at ``replay_peak``."""
+        return max(self.fwd_ckpt[a, c], replay_peak + self.double[a, c],
+                   self.enter[a, c] + self.kept_in[a, c] + self.costs.dx[c])
 
     def rescale_plain(self, scale: float) -> None:
         """Sets ``plain_scale``: the need and held bytes of each plain call."""
@@ -256,8 +169,7 @@ class RegionModel:
         call keeps anyway is counted twice)."""
         if checkpointed:
             kept = self.policy_kept(a, c, policy) if policy >= 0 else 0.0
-            return max(self.fwd_ckpt[a, c],
-                       self.bwd_region[a, c] + self.enter[a, c] + self.kept_in[a, c]) + kept
+            return self.replay_need(a, c, self.bwd_region[a, c]) + kept
         assert c == a + 1  # plain runs are planned call by call
         return float(self.plain_need[a])
 
@@ -280,8 +192,7 @@ class RegionModel:
             need = self.need(a, c, checkpointed, policy)
             if inner:
                 replay = self.in_replay().peak(inner, a, c)
-                need = max(self.fwd_ckpt[a, c],
-                           replay + self.enter[a, c] + self.kept_in[a, c])
+                need = self.replay_need(a, c, replay)
             if checkpointed and k + 1 < len(cover) and not cover[k + 1][2]:
                 need += self.plain_held[c]  # the plain call after it, still held
             peak = max(peak, held + need)

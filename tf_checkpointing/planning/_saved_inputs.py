@@ -1,4 +1,4 @@
-"""Which inputs of each layer call its backward reads.
+"""Which inputs (and outputs) of each layer call its backward reads.
 
 A tensor that no backward reads lives only as long as the forward reads it:
 a U-Net's skip, read by ``MaxPooling2D`` inside an encoder region and then only
@@ -8,8 +8,13 @@ needs only the shapes), is free once the concatenation ran. The memory model
 region keeps as its input until its backward: on the benchmark U-Net the two
 plans it could not tell apart measured 24 and 28 MiB.
 
+A call's own output can be read by its backward too (``relu``'s gradient reads
+its output): such an output is held until that backward even when no later
+backward reads it (a U-Net's last ``relu`` of a stage, read next only by
+``UpSampling2D``), so :func:`saved_outputs` says which.
+
 The answer is read from the call's gradient graph, traced (never run) once per
-distinct call: an input is read by the backward if an op of the gradient (other
+distinct call: a tensor is read by the backward if an op of the gradient (other
 than a shape query, which constant folding removes) consumes it.
 """
 
@@ -31,7 +36,20 @@ _PASS_THROUGH = frozenset({"Identity", "IdentityN"})
 
 
 def saved_inputs(graph: LayerGraph, same_as: Sequence[int]) -> list[frozenset]:
-    """For each call, the keys among its ``in_keys`` that its backward reads.
+    """For each call, the keys among its ``in_keys`` that its backward reads
+    (see :func:`saved_tensors`)."""
+    return [inputs for inputs, _ in saved_tensors(graph, same_as)]
+
+
+def saved_outputs(graph: LayerGraph, same_as: Sequence[int]) -> list[frozenset]:
+    """For each call, the keys among its ``out_keys`` that its own backward reads."""
+    return [outputs for _, outputs in saved_tensors(graph, same_as)]
+
+
+def saved_tensors(graph: LayerGraph,
+                  same_as: Sequence[int]) -> list[tuple[frozenset, frozenset]]:
+    """For each call, the keys among its ``in_keys`` and among its ``out_keys``
+    that its backward reads.
 
     ``same_as[i]`` is the first call computing the same thing as call ``i``
     (same layer configuration and argument shapes), whose answer it shares.
@@ -39,33 +57,41 @@ def saved_inputs(graph: LayerGraph, same_as: Sequence[int]) -> list[frozenset]:
     Example:
         >>> import keras
         >>> from tf_checkpointing.planning._graph import read_graph
-        >>> from tf_checkpointing.planning._saved_inputs import saved_inputs
+        >>> from tf_checkpointing.planning._saved_inputs import saved_inputs, saved_outputs
         >>> a, b = keras.Input((4,)), keras.Input((4,))
         >>> h = keras.layers.Dense(4)(keras.layers.Concatenate()([a, b]))
         >>> graph = read_graph(keras.Model([a, b], h), "example")
         >>> [len(keys) for keys in saved_inputs(graph, [0, 1])]  # concat: none; dense: its input
         [0, 1]
+        >>> relu = keras.layers.ReLU()(a)
+        >>> graph = read_graph(keras.Model(a, relu), "example")
+        >>> [len(keys) for keys in saved_outputs(graph, [0])]    # relu's gradient reads its output
+        [1]
     """
-    out: list[frozenset] = []
+    out: list[tuple[frozenset, frozenset]] = []
     for i, call in enumerate(graph.calls):
         j = same_as[i]
         if j != i:
-            positions = [graph.calls[j].in_keys.index(k) for k in out[j]]
-            out.append(frozenset(call.in_keys[p] for p in positions))
+            first = graph.calls[j]
+            inputs = frozenset(call.in_keys[first.in_keys.index(k)] for k in out[j][0])
+            outputs = frozenset(call.out_keys[first.out_keys.index(k)] for k in out[j][1])
+            out.append((inputs, outputs))
             continue
         try:
             out.append(_saved(call))
-        except Exception:  # noqa: BLE001 - unknown: assume the backward reads every input
-            out.append(frozenset(call.in_keys))
+        except Exception:  # noqa: BLE001 - unknown: assume the backward reads everything
+            out.append((frozenset(call.in_keys), frozenset(call.out_keys)))
     return out
 
 
-def _saved(call: GraphCall) -> frozenset:
-    """The keys of ``call.in_keys`` that an op of its gradient graph consumes."""
+def _saved(call: GraphCall) -> tuple[frozenset, frozenset]:
+    """The keys of ``call.in_keys`` and of ``call.out_keys`` that an op of its
+    gradient graph consumes."""
     by_key = dict(zip(call.arg_keys, call.arguments.keras_tensors))
     keys = call.in_keys
     specs = [tf.TensorSpec(by_key[k].shape, by_key[k].dtype) for k in keys]
     first_backward_op: list[int] = []
+    made: dict[Any, Any] = {}
 
     def forward_and_backward(*values: tf.Tensor) -> list[Any]:
         env = dict(zip(keys, values))
@@ -73,6 +99,7 @@ def _saved(call: GraphCall) -> frozenset:
         with tf.GradientTape() as tape:
             tape.watch(watched)
             run_call(call, env, {"training": True})
+        made.update((k, env[k]) for k in call.out_keys)
         outputs = [env[k] for k in call.out_keys if is_differentiable(env[k])]
         first_backward_op.append(len(tf.compat.v1.get_default_graph().get_operations()))
         return tape.gradient(outputs, watched + list(tape.watched_variables()),
@@ -81,11 +108,15 @@ def _saved(call: GraphCall) -> frozenset:
     func = tf.function(forward_and_backward, autograph=False).get_concrete_function(*specs)
     operations = func.graph.get_operations()
     backward = {op.name for op in operations[first_backward_op[0]:]}
-    saved = set()
-    for key, placeholder in zip(keys, func.graph.inputs[:len(keys)]):
-        if _read_by(placeholder, backward):
-            saved.add(key)
-    return frozenset(saved)
+    inputs = {key for key, placeholder in zip(keys, func.graph.inputs[:len(keys)])
+              if _read_by(placeholder, backward)}
+    # An output is the model's input passed through (an Identity of a placeholder)
+    # only in degenerate layers; a tensor made in the forward is read by the backward
+    # if a gradient op consumes it.
+    outputs = {key for key, value in made.items()
+               if isinstance(value, tf.Tensor) and value.op.name not in backward
+               and _read_by(value, backward)}
+    return frozenset(inputs), frozenset(outputs)
 
 
 def _read_by(tensor: tf.Tensor, backward: set) -> bool:
