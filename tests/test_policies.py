@@ -193,11 +193,11 @@ def test_call_time_policy_overrides_the_default():
     call = checkpointable(block, checkpoint=False)
 
     def count(**options):
-        def step(x):
+        def step(x):  # a training step: the input's and the weights' gradients
             with tf.GradientTape() as tape:
                 tape.watch(x)
                 loss = tf.reduce_sum(call(x, training=False, **options) ** 2)
-            return tape.gradient(loss, x)
+            return tape.gradient(loss, [x] + block.trainable_variables)
 
         graph = tf.function(step).get_concrete_function(_x()).graph
         return sum(op.type in DOTS for op in _executed(graph))

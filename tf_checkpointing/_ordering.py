@@ -17,7 +17,22 @@ from typing import Any, Optional
 
 import tensorflow as tf
 
-__all__ = ["after_gradient", "after_replay", "fresh_copies"]
+__all__ = ["after_gradient", "after_replay", "fresh_copies", "weight_gradients_first"]
+
+# Backward kernels that read a forward activation and the incoming gradient (the
+# weight gradient of a convolution, either product of a matrix multiplication),
+# and those that read the incoming gradient and a weight (the input gradient).
+_READS_ACTIVATION = frozenset({
+    "Conv2DBackpropFilter", "Conv2DBackpropFilterV2", "Conv3DBackpropFilterV2",
+    "DepthwiseConv2dNativeBackpropFilter", "MatMul", "BatchMatMulV2", "BatchMatMulV3"})
+_MAKES_INPUT_GRADIENT = frozenset({
+    "Conv2DBackpropInput", "Conv2DBackpropInputV2", "Conv3DBackpropInputV2",
+    "DepthwiseConv2dNativeBackpropInput", "MatMul", "BatchMatMulV2", "BatchMatMulV3"})
+# Where a tensor comes from a variable (its buffer is the variable's: nothing to free).
+_VARIABLE_READS = frozenset({"ReadVariableOp", "Const", "VarHandleOp", "Placeholder"})
+# Backward ops that read only shapes (a convolution's gradient asks for its
+# operands' shapes): not a gradient, and they depend on nothing of the backward.
+_SHAPES = frozenset({"Shape", "ShapeN", "Size", "Rank", "Const"})
 
 
 def after_replay(variable_grads: Sequence[Any], all_grads: Sequence[Any]) -> list[Any]:
@@ -116,3 +131,80 @@ def _opaque_zero(grads: Sequence[Any]) -> tf.Tensor:
         probes.append(tf.cast(first, tf.float32))
     as_bool = tf.cast(tf.reduce_max(tf.concat(probes, 0)), tf.bool)
     return tf.where(tf.equal(as_bool, as_bool), 0.0, float("nan"))
+
+
+def weight_gradients_first(graph: Any, first_op: int) -> int:
+    """Orders each weight gradient of a replay's backward before the input
+    gradient made from the same incoming gradient; returns how many edges it added.
+
+    ``graph`` is the ``FuncGraph`` being traced and ``first_op`` the number of
+    its operations before the backward was built. A layer's backward reads its
+    input ``x`` (for the weight gradient) and its output gradient ``dy``, and
+    makes the input gradient ``dx``. The executor runs the two kernels in any
+    order; when ``dx`` comes first, ``x``, ``dy`` and ``dx`` are alive at once.
+    When the weight gradient runs first and was the last reader of ``x``, ``x``
+    is freed before ``dx`` is made. On the benchmark U-Net the last stage's
+    first convolution reads a 6 MiB concatenation and makes a 6 MiB input
+    gradient, which the concatenation's gradient slices into 6 MiB of copies:
+    18 MiB of tensors at once in some steps, 12 in others, and the replay's
+    peak moved by as much from step to step (measured 14.9-22.5 MiB).
+
+    Only pairs where this cannot create a cycle are ordered: the first kernel
+    reads nothing made by the backward but the shared gradient, and the
+    activation it reads is not a variable's value (freeing it frees nothing).
+    The edges are control edges between two kernels that Grappler keeps (it
+    removes only edges implied by data, or on no-op nodes). Eager execution
+    runs in program order, so there is nothing to do there.
+    """
+    operations = graph.get_operations()[first_op:]
+    made = {op.name for op in operations}
+    readers: dict[Any, list[Any]] = {}
+    for op in operations:
+        for tensor in op.inputs:
+            if tensor.op.name in made or tensor.op.type not in _VARIABLE_READS:
+                readers.setdefault(tensor.ref(), []).append(op)
+    added = 0
+    for op in operations:
+        if op.type not in _READS_ACTIVATION:
+            continue
+        inner = [t for t in op.inputs if t.op.name in made and not _shape_of_forward(t, made)]
+        outer = [t for t in op.inputs if t.op.name not in made
+                 and t.op.type not in _VARIABLE_READS and _nbytes(t) > 0]
+        if len(inner) != 1 or not outer:
+            continue  # reads no activation, or more than the one incoming gradient
+        gradient = inner[0]
+        for other in readers.get(gradient.ref(), ()):
+            if (other is op or other.type not in _MAKES_INPUT_GRADIENT
+                    or any(t.ref() == x.ref() for t in other.inputs for x in outer)
+                    or op in other.control_inputs or _depends_on(op, other, made)):
+                continue  # the same activation, already ordered, or a cycle (attention's
+                # two products both read an activation: the first one met goes first)
+            other._add_control_input(op)  # noqa: SLF001 - no public API orders two ops
+            added += 1
+    return added
+
+
+def _depends_on(op: Any, other: Any, made: set) -> bool:
+    """Whether ``op`` depends on ``other`` (by data or control) within the backward."""
+    pending, seen = [op], set()
+    while pending:
+        current = pending.pop()
+        for before in [t.op for t in current.inputs] + list(current.control_inputs):
+            if before is other:
+                return True
+            if before.name in made and before.name not in seen:
+                seen.add(before.name)
+                pending.append(before)
+    return False
+
+
+def _shape_of_forward(tensor: Any, made: set) -> bool:
+    """Whether ``tensor`` is a shape (or constant) computed from tensors outside the backward."""
+    return tensor.op.type in _SHAPES and all(t.op.name not in made for t in tensor.op.inputs)
+
+
+def _nbytes(tensor: Any) -> int:
+    shape = tensor.shape
+    if shape.rank is None or not shape.is_fully_defined():
+        return 1  # unknown: may be large
+    return int(shape.num_elements() or 0) * tensor.dtype.size

@@ -36,7 +36,12 @@ from tf_checkpointing import _keras_context, _saving, _seeding
 from tf_checkpointing._captures import CaptureGuard
 from tf_checkpointing._control_flow import CaptureMap
 from tf_checkpointing._flags import checkpoint_scope, is_recomputing
-from tf_checkpointing._ordering import after_gradient, after_replay, fresh_copies
+from tf_checkpointing._ordering import (
+    after_gradient,
+    after_replay,
+    fresh_copies,
+    weight_gradients_first,
+)
 from tf_checkpointing._replay_check import check_mode_from_environment, signature, verify_replay
 from tf_checkpointing._state import StateRecorder, replayed_state
 from tf_checkpointing._structure import (
@@ -219,9 +224,13 @@ class _Replay:
                 if grad is not None:
                     targets.append(out_leaves[i])
                     target_grads.append(grad)
+            graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+            first_op = len(graph.get_operations()) if graph is not None else 0
             grads = tape.gradient(
                 targets, inputs + differentiable_vars, output_gradients=target_grads
             ) if targets else [None] * (len(inputs) + len(differentiable_vars))
+            if graph is not None:
+                weight_gradients_first(graph, first_op)
         input_grads = list(grads[: len(inputs)])
         variable_grads = after_replay(grads[len(inputs):], grads)
         by_variable = {id(v): g for v, g in zip(differentiable_vars, variable_grads)}
