@@ -179,8 +179,11 @@ def worker(name: str, tiny: bool, budgets: int, only: str = "", rounds: int = 5)
         # The peak in a process of its own, as a user's run (see whole_model_peaks):
         # the median of a few steps (the executor's op order moves a U-Net step's
         # peak by up to 6 MiB of 25), and their largest (what must fit).
+        # One more step traced: the peak of its tensors (requested bytes), which the
+        # planner models, beside the allocator's chunks (see _tensor_peak).
         peaks = fresh_peaks(name, tiny, dict(spec, jit=jit, batch=_batch(inputs)),
-                            1 if tiny else PEAK_STEPS)
+                            1 if tiny else PEAK_STEPS, tensors=not tiny)
+        tensor_mib = None if tiny else peaks.pop()
         shared = [tc.peak_memory(lambda: step(inputs).numpy()) / MIB
                   for _ in range(1 if tiny else 3)]
         times = []
@@ -190,6 +193,7 @@ def worker(name: str, tiny: bool, budgets: int, only: str = "", rounds: int = 5)
             times.append(time.perf_counter() - started)
         row = dict(model=name, strategy=strategy, xla=jit, peak_mib=statistics.median(peaks),
                    peak_max_mib=max(peaks), peaks_mib=[round(p, 2) for p in peaks],
+                   tensor_peak_mib=tensor_mib,
                    # here, after the strategies before it: the allocator's history
                    peak_shared_mib=statistics.median(shared),
                    step_s=statistics.median(times), **extra)

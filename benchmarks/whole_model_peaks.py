@@ -11,7 +11,7 @@ is built again (same seed, same layer names), the strategy applied (a plan
 made in the benchmark's process is passed as its regions), one step traced,
 and the peaks of the next steps read.
 
-    python benchmarks/whole_model_peaks.py unet '{"batch": 8}'   # plain, 5 peaks (MiB)
+    python benchmarks/whole_model_peaks.py unet '{"batch": 8, "steps": 5}'   # plain, 5 peaks (MiB)
 """
 
 from __future__ import annotations
@@ -38,11 +38,15 @@ def plan_spec(plan: Any) -> dict:
                 policies=[None if p is None else p.__name__ for p in plan.region_policies])
 
 
-def fresh_peaks(model: str, tiny: bool, spec: dict, steps: int) -> list[float]:
+def fresh_peaks(model: str, tiny: bool, spec: dict, steps: int,
+                tensors: bool = False) -> list[float]:
     """Peaks (MiB) of ``steps`` training steps of ``model`` run as ``spec`` says, in a
     new process: ``batch``, ``jit``, and at most one of ``select`` (a layer class
-    name, or ``"every"``), ``plan`` (from :func:`plan_spec`) and ``budget``."""
-    command = [sys.executable, __file__, model, json.dumps(dict(spec, steps=steps))]
+    name, or ``"every"``), ``plan`` (from :func:`plan_spec`) and ``budget``. With
+    ``tensors``, one more step is traced and the peak of its tensors (requested
+    bytes, see ``_tensor_peak``) is appended."""
+    command = [sys.executable, __file__, model, json.dumps(dict(spec, steps=steps,
+                                                                tensors=tensors))]
     done = subprocess.run(command + (["--tiny"] if tiny else []), capture_output=True,
                           text=True, check=False, env=dict(os.environ))
     if done.returncode != 0:
@@ -92,8 +96,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     _apply(model, spec)
     step = training_step(model, keras.optimizers.SGD(1e-3), spec.get("jit", False))
     step(x).numpy()  # trace (and plan) outside the measurement
-    print(json.dumps([tc.peak_memory(lambda: step(x).numpy()) / MIB
-                      for _ in range(spec["steps"])]))
+    peaks = [tc.peak_memory(lambda: step(x).numpy()) / MIB for _ in range(spec["steps"])]
+    if spec.get("tensors"):
+        from benchmarks._tensor_peak import tensor_peak
+
+        peaks.append(tensor_peak(lambda: step(x).numpy()) / MIB)
+    print(json.dumps(peaks))
 
 
 if __name__ == "__main__":
