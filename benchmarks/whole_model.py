@@ -5,7 +5,8 @@
     python benchmarks/whole_model.py --tiny     # small shapes, for a smoke test
 
 Each model runs in a subprocess of its own (a fresh allocator), as one
-``tf.function`` training step (SGD), under every strategy: plain, per-layer
+``tf.function`` training step (SGD), under every strategy (the plans made first,
+on the fresh allocator, as on a user's first training step): plain, per-layer
 selections (``apply_checkpointing(model, [cls])``), hand-written per-block
 checkpointing (a plan whose regions are exactly the model's blocks, which is
 what ``checkpointable`` on each block runs), ``budget="min"`` and budgets
@@ -208,6 +209,14 @@ def worker(name: str, tiny: bool, budgets: int, only: str = "", rounds: int = 5)
         for layer in model._flatten_layers(include_self=False, recursive=True):  # noqa: SLF001
             vars(layer).pop("call", None)
 
+    # Every plan first, while the allocator holds only the model, as on a user's first
+    # training step: after other steps have run in the process the weights sit in
+    # chunks scattered through the pool, the profile's per-call readings are chunks
+    # larger than their tensors, and the plans come out less aggressive (ResNet50's
+    # least plan predicted at 153 MiB after three plain steps, 124 before).
+    plans = _plans(model, x, budgets, wanted, xla=wanted("XLA"),
+                   policies=name in POLICY_MODELS)
+    least = plans["graph"][0][1]
     plain = measure("plain", {})
     if name in ("resnet50", "unet") and wanted("per-layer"):
         for cls in ("Conv2D", "BatchNormalization", "Activation"):
@@ -217,55 +226,40 @@ def worker(name: str, tiny: bool, budgets: int, only: str = "", rounds: int = 5)
         tc.apply_checkpointing(model, lambda layer: not isinstance(layer, keras.layers.InputLayer))
         measure("per-layer every layer", dict(select="every"))
         reset()
-    started = time.perf_counter()
-    least = tc.plan_model(model, x, budget="min", mode="graph")
-    plan_s = time.perf_counter() - started
     names = list(least.call_names)
     spans = tuple((names.index(b[0]), names.index(b[-1]) + 1, ()) for b in blocks)
     hand = ModelPlan(least.call_names, spans, "graph", None, 0, 0, 0)
     if wanted("hand-written per-block"):
         tc.apply_checkpointing(model, plan=hand)
         measure("hand-written per-block", dict(plan=plan_spec(hand)), regions=len(spans))
-    for fraction in [0.0] + [(k + 1) / (budgets + 1) for k in range(budgets)]:
-        if not wanted("budget=min" if fraction == 0.0 else f"budget {fraction:.2f}"):
+    for label, plan, fraction, plan_s in plans["graph"]:
+        if not wanted(label):
             continue
-        if fraction == 0.0:
-            plan = least
-        else:
-            budget = int(least.min_budget_bytes + fraction * (
-                least.plain_peak_bytes - least.min_budget_bytes))
-            plan = tc.plan_model(model, x, budget=budget, mode="graph")
         tc.apply_checkpointing(model, plan=plan)
-        measure("budget=min" if fraction == 0.0 else f"budget {fraction:.2f}",
-                dict(plan=plan_spec(plan)),
+        measure(label, dict(plan=plan_spec(plan)),
                 budget_mib=(plan.budget_bytes or plan.min_budget_bytes) / MIB,
                 predicted_mib=plan.predicted_peak_bytes / MIB, fraction=fraction,
-                plan_s=plan_s if fraction == 0.0 else None, regions=len(plan.spans),
+                plan_s=plan_s, regions=len(plan.spans),
                 extra_forward=plan.extra_forward_layers,
-                predicted_extra_ms=plan.predicted_extra_seconds * 1e3)
+                predicted_extra_ms=plan.predicted_extra_seconds * 1e3,
+                policy_regions=sum(p is not None for p in plan.region_policies))
+        if "policies" in label:
+            print(plan, file=sys.stderr, flush=True)
     if name in POLICY_MODELS:
-        _with_policies(model, x, least, measure, wanted)
         _interleaved(name, steps, rounds, rows)
     reset()
     if not wanted("XLA"):
         return rows
     measure("plain", {}, jit=True)
-    # Plans for the XLA step: the least, and the same fractions of the way to plain.
-    try:
-        xla_least = tc.plan_model(model, x, budget="min", mode="xla")
-        for fraction in [0.0] + [(k + 1) / (budgets + 1) for k in range(budgets)]:
-            budget = int(xla_least.min_budget_bytes + fraction * (
-                xla_least.plain_peak_bytes - xla_least.min_budget_bytes))
-            plan = xla_least if fraction == 0.0 else tc.plan_model(model, x, budget=budget,
-                                                                   mode="xla")
-            reset()
-            tc.apply_checkpointing(model, plan=plan)
-            measure("budget=min" if fraction == 0.0 else f"budget {fraction:.2f}",
-                    dict(plan=plan_spec(plan)), jit=True,
-                    budget_mib=budget / MIB, fraction=fraction, regions=len(plan.spans),
-                    predicted_mib=plan.predicted_peak_bytes / MIB)
-    except Exception as error:  # noqa: BLE001 - reported in the table
-        rows.append(dict(model=name, strategy="budget (XLA)", xla=True, error=repr(error)))
+    if "error" in plans:
+        rows.append(dict(model=name, strategy="budget (XLA)", xla=True, error=plans["error"]))
+    for label, plan, fraction, _ in plans["xla"]:
+        reset()
+        tc.apply_checkpointing(model, plan=plan)
+        measure(label, dict(plan=plan_spec(plan)), jit=True,
+                budget_mib=(plan.budget_bytes or plan.min_budget_bytes) / MIB,
+                fraction=fraction, regions=len(plan.spans),
+                predicted_mib=plan.predicted_peak_bytes / MIB)
     if name == "resnet50" and not tiny:
         big = batch_of(batch * 5 // 2)
         reset()
@@ -275,30 +269,50 @@ def worker(name: str, tiny: bool, budgets: int, only: str = "", rounds: int = 5)
     return rows
 
 
-def _with_policies(model: Any, x: Any, least: Any, measure: Any, wanted: Any) -> None:
-    """The budget plans made with ``policies="auto"`` beside those without: at the
-    halfway budget (as "budget 0.50") and at half the plain peak (the policy target
-    on the decoder: at most 1.15x plain's step time, within the budget)."""
+def _plans(model: Any, x: Any, budgets: int, wanted: Any, *, xla: bool,
+           policies: bool) -> dict:
+    """Every plan the worker measures, as ``(label, plan, fraction, planning s)``
+    per step kind (``"graph"``, ``"xla"``): the least, ``budgets`` budgets evenly
+    between the least and plain; for the decoder also the budget plans made with
+    ``policies="auto"``: at the halfway budget (beside "budget 0.50") and at half
+    the plain peak (the policy target: at most 1.15x plain's step time, within the
+    budget). An XLA planning error is kept as ``"error"``."""
     import tf_checkpointing as tc
 
-    halfway = int(least.min_budget_bytes + 0.5 * (least.plain_peak_bytes - least.min_budget_bytes))
-    half_plain = least.plain_peak_bytes // 2
-    for label, budget, policies in (("budget 0.50 policies=auto", halfway, "auto"),
-                                    ("budget 1/2 plain", half_plain, None),
-                                    ("budget 1/2 plain policies=auto", half_plain, "auto")):
-        if not wanted(label) or budget < least.min_budget_bytes:
-            continue
-        started = time.perf_counter()
-        plan = tc.plan_model(model, x, budget=budget, mode="graph", policies=policies)
-        plan_s = time.perf_counter() - started
-        tc.apply_checkpointing(model, plan=plan)
-        kept = sum(p is not None for p in plan.region_policies)
-        measure(label, dict(plan=plan_spec(plan)), budget_mib=budget / MIB,
-                predicted_mib=plan.predicted_peak_bytes / MIB,
-                plan_s=plan_s, regions=len(plan.spans), policy_regions=kept,
-                extra_forward=plan.extra_forward_layers,
-                predicted_extra_ms=plan.predicted_extra_seconds * 1e3)
-        print(plan, file=sys.stderr, flush=True)
+    fractions = [(k + 1) / (budgets + 1) for k in range(budgets)]
+    out: dict = {"graph": [], "xla": []}
+    started = time.perf_counter()
+    least = tc.plan_model(model, x, budget="min", mode="graph")
+    out["graph"].append(("budget=min", least, 0.0, time.perf_counter() - started))
+
+    def between(plan: Any, fraction: float) -> int:
+        return int(plan.min_budget_bytes + fraction * (plan.plain_peak_bytes
+                                                       - plan.min_budget_bytes))
+
+    for fraction in fractions:
+        if wanted(f"budget {fraction:.2f}"):
+            out["graph"].append((f"budget {fraction:.2f}", tc.plan_model(
+                model, x, budget=between(least, fraction), mode="graph"), fraction, None))
+    if policies:
+        half_plain = least.plain_peak_bytes // 2
+        for label, budget, chosen in (("budget 0.50 policies=auto", between(least, 0.5), "auto"),
+                                      ("budget 1/2 plain", half_plain, None),
+                                      ("budget 1/2 plain policies=auto", half_plain, "auto")):
+            if wanted(label) and budget >= least.min_budget_bytes:
+                started = time.perf_counter()
+                plan = tc.plan_model(model, x, budget=budget, mode="graph", policies=chosen)
+                out["graph"].append((label, plan, None, time.perf_counter() - started))
+    if not xla:
+        return out
+    try:
+        xla_least = tc.plan_model(model, x, budget="min", mode="xla")
+        out["xla"].append(("budget=min", xla_least, 0.0, None))
+        for fraction in fractions:
+            out["xla"].append((f"budget {fraction:.2f}", tc.plan_model(
+                model, x, budget=between(xla_least, fraction), mode="xla"), fraction, None))
+    except Exception as error:  # noqa: BLE001 - reported in the table
+        out["error"] = repr(error)
+    return out
 
 
 def _interleaved(name: str, steps: dict, rounds: int, rows: list[dict]) -> None:
