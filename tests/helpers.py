@@ -139,8 +139,9 @@ def ran_in_fresh_process(request) -> bool:
         return False
     repo = Path(__file__).resolve().parents[1]
     env = dict(os.environ, TF_CHECKPOINTING_FRESH_TEST=request.node.nodeid)
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           request.node.nodeid], cwd=repo, env=env, capture_output=True,
-                          text=True, timeout=600)
+    command = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
+               request.node.nodeid]  # -n 0: this one test, in that process
+    done = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True,
+                          timeout=600)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     return True
