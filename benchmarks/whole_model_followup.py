@@ -2,10 +2,14 @@
 
     python benchmarks/whole_model_followup.py resnet50 timing   # round-robin step time
     python benchmarks/whole_model_followup.py resnet50 least    # budget="min" peak
+    python benchmarks/whole_model_followup.py resnet50 budget 0.25   # as a user runs it
 
 ``timing``: plain and halfway-budget steps alternate (7 rounds, medians), so a
 loaded machine slows both alike. ``least``: peak of plain and of the least
-plan, with its prediction. Prints one JSON line; results of the committed run
+plan, with its prediction. ``budget F``: a user's run, in one process:
+``apply_checkpointing(model, budget=...)`` at the fraction ``F`` of the way from
+the least budget to plain, planned at the first training step, then the peaks of
+five steps against the budget. Prints one JSON line; results of the committed run
 are in ``results/whole_model_followup.json``.
 """
 
@@ -30,7 +34,7 @@ import tf_checkpointing as tc  # noqa: E402
 from benchmarks.whole_model import build  # noqa: E402
 
 
-def main(name: str, what: str, rounds: int = 7) -> None:
+def main(name: str, what: str, rounds: int = 7, fraction: float = 0.5) -> None:
     model, batch_of, _, batch = build(name, False)
     x = batch_of(batch)
     model(x)
@@ -52,6 +56,16 @@ def main(name: str, what: str, rounds: int = 7) -> None:
     # Plans first, on the fresh allocator, as on a user's first step (and as
     # whole_model.py makes them): per-call readings taken after other steps are larger.
     least = tc.plan_model(model, x, budget="min", mode="graph")
+    if what == "budget":
+        budget = int(least.min_budget_bytes + fraction * (least.plain_peak_bytes
+                                                          - least.min_budget_bytes))
+        tc.apply_checkpointing(model, budget=budget)
+        ours = make_step()  # plans here, on the first training step
+        peaks = [tc.peak_memory(lambda: ours(x).numpy()) / 2**20 for _ in range(5)]
+        print(json.dumps({"model": name, "fraction": fraction, "budget_mib": budget / 2**20,
+                          "peaks_mib": [round(p, 1) for p in peaks],
+                          "largest_x_budget": max(peaks) / (budget / 2**20)}))
+        return
     half = tc.plan_model(model, x, budget=(least.min_budget_bytes + least.plain_peak_bytes) // 2,
                          mode="graph")
     plain = make_step()
@@ -77,4 +91,4 @@ def main(name: str, what: str, rounds: int = 7) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], fraction=float(sys.argv[3]) if len(sys.argv) > 3 else 0.5)

@@ -9,13 +9,14 @@ os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import pytest  # noqa: E402
-import tensorflow as tf  # noqa: E402
 
 MODES = ("eager", "function", "xla")
 
 
 def compile_step(step, mode):
     """``step`` run eagerly, under tf.function, or under tf.function(jit_compile=True)."""
+    import tensorflow as tf  # here: pytest-xdist's controller process needs no TensorFlow
+
     if mode == "eager":
         return step
     return tf.function(step, jit_compile=(mode == "xla"))
