@@ -329,3 +329,19 @@ def test_a_model_output_that_feeds_another_in_one_region_is_flagged():
     with pytest.raises(ValueError, match=r"output\(s\) \[0\].*would miss the path"):
         grads_of(lambda x: model(x, training=True), [inputs], model.trainable_variables,
                  "function")
+
+
+def test_graph_plans_predict_chunks_and_plain_its_calibrated_peak():
+    """A checkpointed graph plan is predicted with the allocator's chunk factor and
+    chosen so that the prediction fits 90% of its budget; the plain plan (a budget at
+    plain's peak) is predicted at the plain step it was calibrated on, not scaled."""
+    keras.utils.set_random_seed(0)
+    model = residual_net()
+    x = tf.random.normal([8, 16, 16, 3])
+    least = tc.plan_model(model, x, budget="min", mode="graph")
+    whole = tc.plan_model(model, x, budget=least.plain_peak_bytes, mode="graph")
+    assert whole.regions == []
+    assert abs(whole.predicted_peak_bytes / whole.plain_peak_bytes - 1) < 0.05, str(whole)
+    budget = (least.min_budget_bytes + least.plain_peak_bytes) // 2
+    plan = tc.plan_model(model, x, budget=budget, mode="graph")
+    assert plan.regions and plan.predicted_peak_bytes <= 0.9 * budget + 1, str(plan)
