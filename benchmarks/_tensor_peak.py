@@ -8,8 +8,9 @@ left (measured on the benchmark models in fresh processes: 0-34% above the
 tensors, by plan; see docs/whole-model.md). The planners model tensors. To
 tell their error from the allocator's, this module reads the allocator's own
 events (the TensorFlow profiler records each allocation and deallocation with
-the bytes requested) and returns the peak of the requested bytes over a step:
-the same in every run of a step, where the chunks' peak moves.
+the bytes requested) and returns the peak of the requested bytes over a step,
+which moves much less from step to step than the chunks' peak (but does move
+with the executor's order: docs/measuring-memory.md).
 
     >>> import tensorflow as tf
     >>> f = tf.function(lambda a: tf.reduce_sum(a * 2.0 + 1.0))

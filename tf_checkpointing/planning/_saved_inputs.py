@@ -11,7 +11,7 @@ plans it could not tell apart measured 24 and 28 MiB.
 A call's own output can be read by its backward too (``relu``'s gradient reads
 its output): such an output is held until that backward even when no later
 backward reads it (a U-Net's last ``relu`` of a stage, read next only by
-``UpSampling2D``), so :func:`saved_outputs` says which.
+``UpSampling2D``), so :func:`saved_tensors` says which.
 
 The answer is read from the call's gradient graph, traced (never run) once per
 distinct call: a tensor is read by the backward if an op of the gradient (other
@@ -35,17 +35,6 @@ _SHAPE_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank", "BroadcastGradientArg
 _PASS_THROUGH = frozenset({"Identity", "IdentityN"})
 
 
-def saved_inputs(graph: LayerGraph, same_as: Sequence[int]) -> list[frozenset]:
-    """For each call, the keys among its ``in_keys`` that its backward reads
-    (see :func:`saved_tensors`)."""
-    return [inputs for inputs, _ in saved_tensors(graph, same_as)]
-
-
-def saved_outputs(graph: LayerGraph, same_as: Sequence[int]) -> list[frozenset]:
-    """For each call, the keys among its ``out_keys`` that its own backward reads."""
-    return [outputs for _, outputs in saved_tensors(graph, same_as)]
-
-
 def saved_tensors(graph: LayerGraph,
                   same_as: Sequence[int]) -> list[tuple[frozenset, frozenset]]:
     """For each call, the keys among its ``in_keys`` and among its ``out_keys``
@@ -57,15 +46,15 @@ def saved_tensors(graph: LayerGraph,
     Example:
         >>> import keras
         >>> from tf_checkpointing.planning._graph import read_graph
-        >>> from tf_checkpointing.planning._saved_inputs import saved_inputs, saved_outputs
+        >>> from tf_checkpointing.planning._saved_inputs import saved_tensors
         >>> a, b = keras.Input((4,)), keras.Input((4,))
         >>> h = keras.layers.Dense(4)(keras.layers.Concatenate()([a, b]))
         >>> graph = read_graph(keras.Model([a, b], h), "example")
-        >>> [len(keys) for keys in saved_inputs(graph, [0, 1])]  # concat: none; dense: its input
+        >>> [len(inputs) for inputs, _ in saved_tensors(graph, [0, 1])]  # concat: none; dense: x
         [0, 1]
         >>> relu = keras.layers.ReLU()(a)
         >>> graph = read_graph(keras.Model(a, relu), "example")
-        >>> [len(keys) for keys in saved_outputs(graph, [0])]    # relu's gradient reads its output
+        >>> [len(outputs) for _, outputs in saved_tensors(graph, [0])]  # relu's grad reads y
         [1]
     """
     out: list[tuple[frozenset, frozenset]] = []
