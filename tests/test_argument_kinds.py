@@ -317,7 +317,7 @@ def test_tensor_arrays_in_graphs_get_exact_gradients(mode):
 
 
 def test_attrs_classes_are_flattened_by_tf_nest(mode):
-    attr = pytest.importorskip("attr")  # attrs ships with the test environment
+    attr = pytest.importorskip("attr")  # in the `test` extra; skipped only without it
 
     @attr.s(frozen=True)
     class Out:
