@@ -113,14 +113,57 @@ def test_gradients_and_state_equal_plain(name, mode):
     plan = tc.plan_model(model, inputs if len(inputs) > 1 else inputs[0], budget="min",
                          mode="eager")
     assert plan.spans, str(plan)
+    replays = _count_replays(model)
     assert tc.apply_checkpointing(model, plan=plan) == [model]
     ours = _run(model, inputs, mode)
     assert_all_close(ours[0], plain[0])
     assert_all_close(ours[1], plain[1], atol=1e-5)
     assert_all_close(ours[2], plain[2], atol=1e-5)
-    if name == "residual":  # replayed: some counting layer ran inside a replay
-        replays = sum(model.get_layer(f"count{i}").replays for i in range(3))
-        assert replays > 0, str(plan)
+    # Recomputation happened: every layer of every region (with the layers of a
+    # nested model in it) ran inside a replay, and no layer outside them did.
+    in_regions = set()
+    for layer_name in _flatten(plan.regions):
+        layer = model.get_layer(layer_name)
+        in_regions |= {layer_name} | {inner.name for inner in _all_layers(layer)}
+    assert {n for n, count in replays.items() if count} == in_regions, str(plan)
+
+
+def _flatten(regions):
+    for item in regions:
+        if isinstance(item, list):
+            yield from _flatten(item)
+        else:
+            yield item
+
+
+def _count_replays(model):
+    """Per layer name, how often its ``call`` ran inside a replay (counted by
+    wrapping each layer's ``call``, which Keras' ``__call__`` runs)."""
+    replays = {}
+
+    def counting(layer):
+        call = layer.call
+
+        def counted(*args, **kwargs):
+            if tc.is_recomputing():
+                replays[layer.name] += 1
+            return call(*args, **kwargs)
+
+        return counted
+
+    for layer in _all_layers(model):
+        replays[layer.name] = 0
+        layer.call = counting(layer)
+    return replays
+
+
+def _all_layers(model):
+    for layer in getattr(model, "layers", []):
+        if isinstance(layer, keras.layers.InputLayer):
+            continue
+        yield layer
+        if isinstance(layer, keras.Model):
+            yield from _all_layers(layer)
 
 
 def test_plan_lists_regions_by_layer_name():
