@@ -20,6 +20,7 @@ from tf_checkpointing.planning._allocator import Allocator, median, nbytes, sync
 from tf_checkpointing.planning._layer_profile import (
     ChainProfile,
     LayerProfile,
+    forward_seconds,
     taped,
     untaped_pass,
 )
@@ -36,7 +37,12 @@ def graph_profile(calls, x, device, names, same_as, applied=False) -> ChainProfi
     y = x
     for graph in graphs:  # trace them before any reading
         y = graph(y)
-    untaped, seconds, sizes = untaped_pass(graphs, x, device)
+    # A replay runs inside the step's graph: it does not pay the launch of a
+    # function per layer, which timing each layer's graph alone includes.
+    identity = tf.function(_identity, autograph=False)
+    sync(identity(x))  # traced
+    launch = forward_seconds(identity, x)
+    untaped, seconds, sizes = untaped_pass(graphs, x, device, call_overhead=launch)
     plain_peak = graph_plain_peak(calls, x, device, False, applied)
     layers: list[Any] = []
     grad_sizes: list[Any] = []
@@ -141,6 +147,10 @@ def _backprop(tape: tf.GradientTape, x: Any, y: Any) -> list[Any]:
     return tape.gradient(outputs, leaves + list(tape.watched_variables()),
                          output_gradients=[tf.ones_like(t) for t in outputs],
                          unconnected_gradients=tf.UnconnectedGradients.ZERO)
+
+
+def _identity(x: Any) -> Any:
+    return tf.nest.map_structure(lambda t: tf.identity(t) if isinstance(t, tf.Tensor) else t, x)
 
 
 def run_all(calls, x):
