@@ -2,8 +2,9 @@
 
 A residual conv net (Conv-BN-ReLU blocks, 4 MiB activations) trained with a
 ``tf.function`` SGD step: a plan for a budget between the least and plain
-peaks within 1.05x of its budget, its prediction within 15% (the executor's
-op order on 2 cores moves a step's peak by up to ~10% from run to run), and
+peaks within 1.05x of its budget in the largest of three steps, its prediction
+within 15% of their median (the executor's op order on 2 cores moves a step's
+peak by up to ~10% from step to step), and
 the least memory below what checkpointing every layer, or every Activation,
 gives.
 """
@@ -49,7 +50,8 @@ SCRIPT = STEP + textwrap.dedent("""
         setup(model)
         step = make_step(model)
         step(x)
-        return tc.peak_memory(lambda: step(x).numpy()), model
+        # The executor's op order moves a step's peak: three steps, each peak kept.
+        return sorted(tc.peak_memory(lambda: step(x).numpy()) for _ in range(3)), model
 
     plans = {}
 
@@ -59,15 +61,18 @@ SCRIPT = STEP + textwrap.dedent("""
             tc.apply_checkpointing(model, plan=plans[budget])
         return setup
 
-    result = {"plain": peak(lambda m: None)[0], "min": peak(planned("min"))[0]}
+    median = lambda peaks: peaks[1]  # noqa: E731
+    result = {"plain": median(peak(lambda m: None)[0]),
+              "min": median(peak(planned("min"))[0])}
     least = plans["min"]
     half = (least.min_budget_bytes + least.plain_peak_bytes) // 2
-    result["half"] = peak(planned(half))[0]
+    half_peaks = peak(planned(half))[0]
+    result["half"], result["half_largest"] = median(half_peaks), half_peaks[-1]
     result["half_budget"], result["half_predicted"] = half, plans[half].predicted_peak_bytes
-    result["every_layer"] = peak(lambda m: tc.apply_checkpointing(
-        m, lambda layer: not isinstance(layer, keras.layers.InputLayer)))[0]
-    result["activations"] = peak(lambda m: tc.apply_checkpointing(
-        m, [keras.layers.Activation]))[0]
+    result["every_layer"] = median(peak(lambda m: tc.apply_checkpointing(
+        m, lambda layer: not isinstance(layer, keras.layers.InputLayer)))[0])
+    result["activations"] = median(peak(lambda m: tc.apply_checkpointing(
+        m, [keras.layers.Activation]))[0])
     print("RESULT", json.dumps(result))
 """)
 
@@ -87,7 +92,7 @@ def test_plans_keep_their_budget_and_the_least_beats_per_layer():
     out = _run(SCRIPT)
     r = json.loads(out.split("RESULT", 1)[1])
     message = json.dumps({k: round(v / 2**20, 1) for k, v in r.items()})
-    assert r["half"] <= 1.05 * r["half_budget"], message
+    assert r["half_largest"] <= 1.05 * r["half_budget"], message
     assert abs(r["half_predicted"] / r["half"] - 1) <= 0.15, message
     assert r["min"] < r["half"] <= r["plain"], message
     assert r["min"] < r["every_layer"] and r["min"] < r["activations"], message
