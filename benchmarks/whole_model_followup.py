@@ -1,10 +1,11 @@
 """Follow-up measurements for the whole-model benchmark (one model per run).
 
-    python benchmarks/whole_model_followup.py resnet50 timing   # round-robin step time
+    python benchmarks/whole_model_followup.py resnet50 timing 21   # round-robin step time
     python benchmarks/whole_model_followup.py resnet50 least    # budget="min" peak
     python benchmarks/whole_model_followup.py resnet50 budget 0.25   # as a user runs it
 
-``timing``: plain and halfway-budget steps alternate (7 rounds, medians), so a
+``timing [ROUNDS]``: plain and halfway-budget steps alternate (7 rounds by
+default, medians), so a
 loaded machine slows both alike. ``least``: peak of plain and of the least
 plan, with its prediction. ``budget F``: a user's run, in one process:
 ``apply_checkpointing(model, budget=...)`` at the fraction ``F`` of the way from
@@ -87,8 +88,15 @@ def main(name: str, what: str, rounds: int = 7, fraction: float = 0.5) -> None:
             times[key].append(time.perf_counter() - started)
     ratio = statistics.median(times["half"]) / statistics.median(times["plain"])
     print(json.dumps({"model": name, "ratio": ratio, "regions": len(half.spans),
-                      "extra_forward": half.extra_forward_layers}))
+                      "extra_forward": half.extra_forward_layers, "rounds": rounds,
+                      "predicted_extra_ms": 1000 * (half.predicted_extra_seconds or 0),
+                      "measured_extra_ms": 1000 * (statistics.median(times["half"])
+                                                   - statistics.median(times["plain"]))}))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], fraction=float(sys.argv[3]) if len(sys.argv) > 3 else 0.5)
+    name, what, *rest = sys.argv[1:]
+    if what == "timing":  # timing [ROUNDS]
+        main(name, what, rounds=int(rest[0]) if rest else 7)
+    else:  # budget F
+        main(name, what, fraction=float(rest[0]) if rest else 0.5)
