@@ -55,8 +55,9 @@ class Chain:
         # Held by the caller through the whole backward: the gradient of the
         # chain's output (the output itself is counted with the last piece).
         self.outside = self.dx[self.n]
-        # What replaying a layer costs: its eager forward, or with policies the
-        # measured extra step time of a full replay (the same unit as theirs).
+        # What replaying a layer costs: its forward timed alone (see untaped_pass),
+        # or with policies the measured extra step time of a full replay (the
+        # same unit as theirs).
         seconds = np.array([p.seconds for p in layers], float)
         if choices is not None:
             seconds = choices.replay_seconds
