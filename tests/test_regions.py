@@ -44,7 +44,7 @@ def test_the_program_plans_with_it():
     assert model.peak(spans) <= limit
 
 
-def _skip_costs(saver_last):
+def _skip_costs(savers):
     # Calls: 0 makes the skip s (10 units), 1 pools it (its backward reads s),
     # 2 works on the pooled p, 3 concatenates s and 2's output (its backward
     # reads neither), 4 is the head. Tensors: the input, s, p, m, c, the output.
@@ -55,13 +55,13 @@ def _skip_costs(saver_last):
         cost=np.ones(n), dx=np.ones(n + 1), size=np.array([1.0, 10, 1, 1, 3, 1]),
         producer=np.arange(-1, n), last=np.array([0, 3, 2, 3, 4, 5]),
         readers=[[0], [1, 3], [2], [3], [4], []], floating=np.ones(n + 1, bool),
-        saver_last=saver_last)
+        savers=savers)
 
 
 def test_a_skip_no_later_backward_reads_is_not_held_by_its_region():
     # Region [0, 2) makes s and pools it inside; after it only the concatenation
     # reads s, whose backward does not: s is free once the forward read it.
-    model = RegionModel(_skip_costs(np.array([0, 1, 2, -1, 4, 5])))
+    model = RegionModel(_skip_costs([[0], [1], [2], [], [4], [5]]))
     assert model.held(0, 2, True) == 1.0  # p only
     # Cut between s and the pooling: a later backward (the pooling's) reads s.
     assert model.held(0, 1, True) == 10.0
@@ -72,7 +72,7 @@ def test_a_skip_no_later_backward_reads_is_not_held_by_its_region():
 
 
 def test_the_least_plan_cuts_after_the_last_backward_reading_the_skip():
-    model = RegionModel(_skip_costs(np.array([0, 1, 2, -1, 4, 5])))
+    model = RegionModel(_skip_costs([[0], [1], [2], [], [4], [5]]))
     peak, spans = solve(model, None)
     assert model.peak(((0, 2, ()),)) < model.peak(((0, 1, ()), (1, 3, ())))
     assert peak < RegionModel(_skip_costs(None)).peak(spans)
@@ -89,8 +89,7 @@ def _block_costs(savers):
         wgrad=np.zeros(n), cost=np.ones(n), dx=np.ones(n + 1),
         size=np.array([1.0, 10, 4, 4, 4, 1]), producer=np.arange(-1, n),
         last=np.array([0, 3, 2, 4, 4, 5]), readers=[[0], [1, 3], [2], [4], [4], []],
-        floating=np.ones(n + 1, bool), savers=savers,
-        saver_last=np.array([max(s, default=-1) for s in savers]))
+        floating=np.ones(n + 1, bool), savers=savers)
 
 
 _SAVERS = [[0], [1, 3], [2], [], [], [5]]  # h2 (BatchNorm's output) and s: no backward

@@ -38,10 +38,9 @@ class GraphCosts:
     ``size, producer, last, readers``: per tensor: bytes, the call making it
     (-1 for a model input), the last call reading it (``n`` for an output),
     and whether it is floating (``floating``).
-    ``saver_last``: per tensor, the last call whose backward reads it (-1: none,
-    ``n`` for an output); None: every reader's (``last``). ``savers``: per
-    tensor, every call whose backward reads it, in order (its producer when its
-    own backward does, ``n`` for an output); None: ``saver_last`` alone.
+    ``savers``: per tensor, every call whose backward reads it, in order (its
+    producer when its own backward does, ``n`` for an output); None: every
+    reader's backward is taken to read it up to its last reader (``last``).
     """
 
     kept: np.ndarray
@@ -57,7 +56,6 @@ class GraphCosts:
     readers: list
     floating: np.ndarray
     own_wgrad: Optional[np.ndarray] = None
-    saver_last: Optional[np.ndarray] = None
     savers: Optional[list] = None
     # [call, policy]: bytes a region replayed under the policy keeps of the
     # call on top of its inputs, and the call's replay seconds under it.
@@ -102,8 +100,9 @@ class Lifetimes:
         (``passing``: counted in the forward peaks of the calls it passes).
         """
         n = self.n
-        saver = costs.last if costs.saver_last is None else np.minimum(costs.saver_last,
-                                                                         costs.last)
+        # The last call whose backward reads each tensor (-1: none).
+        saver = costs.last if costs.savers is None else np.minimum(
+            np.array([max(s, default=-1) for s in costs.savers]), costs.last)
         rows = np.arange(n + 1)
         held_alive = np.zeros((n + 1, n + 1))   # as by_made_alive, until the last saver
         free_alive = np.zeros((n + 1, n + 1))   # alive in the forward, past the last saver
@@ -149,8 +148,7 @@ class Lifetimes:
         """
         n = self.n
         savers = costs.savers if costs.savers is not None else [
-            [int(s)] if s >= 0 else [] for s in (costs.saver_last if costs.saver_last is not None
-                                                 else costs.last)]
+            [int(s)] if s >= 0 else [] for s in costs.last]
         self.enter = np.zeros((n + 1, n + 1))
         self.double = np.zeros((n + 1, n + 1))
         for t, reads in enumerate(costs.readers):
