@@ -5,8 +5,7 @@
     python benchmarks/whole_model_followup.py resnet50 budget 0.25   # as a user runs it
 
 ``timing [ROUNDS]``: plain and halfway-budget steps alternate (7 rounds by
-default, medians), so a
-loaded machine slows both alike. ``least``: peak of plain and of the least
+default, medians), so a loaded machine slows both alike. ``least``: peak of plain and of the least
 plan, with its prediction. ``budget F``: a user's run, in one process:
 ``apply_checkpointing(model, budget=...)`` at the fraction ``F`` of the way from
 the least budget to plain, planned at the first training step, then the peaks of
@@ -36,6 +35,9 @@ from benchmarks.whole_model import build  # noqa: E402
 
 
 def main(name: str, what: str, rounds: int = 7, fraction: float = 0.5) -> None:
+    if what not in ("timing", "least", "budget"):
+        raise SystemExit(f"whole_model_followup.py: expected timing, least or budget after "
+                         f"the model name; received {what!r} (see the module docstring)")
     model, batch_of, _, batch = build(name, False)
     x = batch_of(batch)
     model(x)
@@ -67,8 +69,9 @@ def main(name: str, what: str, rounds: int = 7, fraction: float = 0.5) -> None:
                           "peaks_mib": [round(p, 1) for p in peaks],
                           "largest_x_budget": max(peaks) / (budget / 2**20)}))
         return
-    half = tc.plan_model(model, x, budget=(least.min_budget_bytes + least.plain_peak_bytes) // 2,
-                         mode="graph")
+    if what == "timing":
+        half = tc.plan_model(model, x, mode="graph",
+                             budget=(least.min_budget_bytes + least.plain_peak_bytes) // 2)
     plain = make_step()
     if what == "least":
         before = tc.peak_memory(lambda: plain(x).numpy())
