@@ -34,7 +34,7 @@ from tf_checkpointing.planning._plan import ModelPlan
 from tf_checkpointing.planning._profile import profile_chain
 from tf_checkpointing.planning._region_solver import nested_options, solve
 from tf_checkpointing.planning._regions import GraphCosts, RegionModel
-from tf_checkpointing.planning._saved_inputs import saved_tensors
+from tf_checkpointing.planning._saved_tensors import saved_tensors
 from tf_checkpointing.planning._xla import (
     forget_model_anchor,
     measure_plan,

@@ -1,4 +1,4 @@
-"""Which inputs (and outputs) of each layer call its backward reads.
+"""Which tensors of each layer call its backward reads: inputs, and its own outputs.
 
 A tensor that no backward reads lives only as long as the forward reads it:
 a U-Net's skip, read by ``MaxPooling2D`` inside an encoder region and then only
@@ -46,7 +46,7 @@ def saved_tensors(graph: LayerGraph,
     Example:
         >>> import keras
         >>> from tf_checkpointing.planning._graph import read_graph
-        >>> from tf_checkpointing.planning._saved_inputs import saved_tensors
+        >>> from tf_checkpointing.planning._saved_tensors import saved_tensors
         >>> a, b = keras.Input((4,)), keras.Input((4,))
         >>> h = keras.layers.Dense(4)(keras.layers.Concatenate()([a, b]))
         >>> graph = read_graph(keras.Model([a, b], h), "example")
