@@ -31,6 +31,7 @@ from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
 from keras.src.models.functional import unpack_singleton
 
 from tf_checkpointing._flags import checkpoint_scopes_entered
+from tf_checkpointing._losses import AddedLosses
 from tf_checkpointing._recompute import checkpointed_call, needs_checkpoint
 from tf_checkpointing.planning._graph import (
     Key,
@@ -68,6 +69,9 @@ class GraphRunner:
         self._last = {k: n if k in outputs else max(r) for k, r in readers.items()}
         for key in outputs:
             self._last[key] = n
+        # Every layer whose losses the profile could add (nested models' too).
+        self._layers = list(graph.model._flatten_layers(include_self=True,  # noqa: SLF001
+                                                         recursive=True))
 
     def __call__(self, inputs: Any, training: Any = None, mask: Any = None,
                  **kwargs: Any) -> Any:
@@ -86,9 +90,13 @@ class GraphRunner:
             self._run(env, 0, n, context)
         else:
             if self.plan is None:
-                self.plan = plan_graph(self.graph, inputs, self.budget,
-                                       mode=step_mode(self.mode), api=_API,
-                                       policies=self.policies)
+                profiled = AddedLosses(self._layers)
+                try:
+                    self.plan = plan_graph(self.graph, inputs, self.budget,
+                                           mode=step_mode(self.mode), api=_API,
+                                           policies=self.policies)
+                finally:  # the profile's layer calls add losses of their own
+                    profiled.take()
             self._run_spans(env, 0, n, self.plan.spans, context, self.plan.region_policies)
         outputs = [env[k] for k in self.graph.output_keys]
         return unpack_singleton(keras.tree.pack_sequence_as(
@@ -178,7 +186,8 @@ def _writes_kept_out(*, replay: bool, flat: bool) -> Any:
     keeps real writes, which those calls' own replays may read later."""
     if not (replay and flat):
         return contextlib.nullcontext()
-    return keras.StatelessScope(initialize_variables=False)
+    # Losses are collected: the replay returns its own (see _losses).
+    return keras.StatelessScope(initialize_variables=False, collect_losses=True)
 
 
 def install(model: Any, *, plan: Optional[ModelPlan] = None, budget: Optional[int] = None,

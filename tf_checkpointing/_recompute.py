@@ -36,6 +36,7 @@ from tf_checkpointing import _keras_context, _saving, _seeding
 from tf_checkpointing._captures import CaptureGuard
 from tf_checkpointing._control_flow import CaptureMap
 from tf_checkpointing._flags import checkpoint_scope, is_recomputing
+from tf_checkpointing._losses import put_back, with_added_losses
 from tf_checkpointing._ordering import (
     after_gradient,
     after_replay,
@@ -102,6 +103,9 @@ def checkpointed_call(
         # no activations anyway, and would not see through a replay.
         return fn(*args, **kwargs)
     check = check or check_mode_from_environment()
+    # Losses the layers add inside become outputs, so that they get gradients
+    # (see _losses); they are put back where the layers put them.
+    fn, loss_owners = with_added_losses(fn)
     replay = _Replay(fn, flat, positions, watch_vars, force_seed, check)
     if policy is not None:
         replay.saver = _saving.Saver(policy)
@@ -129,7 +133,9 @@ def checkpointed_call(
     out_leaves = list(out.leaves)
     for i, tensor in zip(replay.out_positions, differentiable_outputs):
         out_leaves[i] = tensor
-    return out.pack(out_leaves)
+    result, losses = out.pack(out_leaves)
+    put_back(loss_owners, losses)
+    return result
 
 
 class _Replay:

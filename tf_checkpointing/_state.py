@@ -49,6 +49,18 @@ class _TouchedVariable:
     dtype: tf.DType
     value_before: Optional[tf.Tensor]  # None: the forward wrote it before reading it
     written: bool = False
+    # The value the replay starts from: the one before the forward, or, for a
+    # variable the forward set before reading it, the value it set first. A
+    # variable created inside the forward is set once, by its initializer, which
+    # the replay does not run again: Keras' global SeedGenerator, created by the
+    # first unseeded keras.random draw, would otherwise be replayed from the
+    # state the forward's draw advanced (another StochasticDepth mask: wrong
+    # gradients).
+    first_value: Optional[tf.Tensor] = None
+
+    @property
+    def replay_from(self) -> Optional[tf.Tensor]:
+        return self.value_before if self.value_before is not None else self.first_value
 
 
 class StateRecorder:
@@ -97,6 +109,8 @@ class StateRecorder:
             return  # not a variable write (lookup tables, iterators, ...)
         if touched is None:
             touched = self._touched[key] = _TouchedVariable(inputs[0], dtype, value_before)
+            if value_before is None and op_type == "AssignVariableOp":
+                touched.first_value = inputs[1]
         touched.written = True
 
     def restore_before(self) -> None:
@@ -148,8 +162,8 @@ def replayed_state(recorder: StateRecorder) -> Iterator[None]:
         return
     current = [_read(t) for t in written]
     for touched in written:
-        if touched.value_before is not None:
-            _assign(touched, touched.value_before)
+        if touched.replay_from is not None:
+            _assign(touched, touched.replay_from)
     try:
         yield
     finally:
