@@ -5,6 +5,7 @@ function) otherwise (issue 10, case 6)."""
 
 import warnings
 
+import keras
 import pytest
 import tensorflow as tf
 from conftest import compile_step
@@ -66,6 +67,41 @@ def test_independent_outputs_are_not_flagged(mode):
         warnings.simplefilter("error")
         ours = _step(checkpointable(two_heads, checkpoint=True, check=True), mode, "inputs")(x)
     assert_all_close(ours, _step(two_heads, mode, "inputs")(x))
+
+
+def test_an_output_feeding_only_integer_ops_is_not_flagged(mode):
+    """``h`` feeds the other output only through ``argmax`` (Keras' does a float
+    ``where`` first, which leads nowhere but the argmax): no gradient path from
+    ``h`` to it exists, so none can be missed (the prober's issue, section 6)."""
+    table = tf.Variable(tf.reshape(tf.range(4, dtype=tf.float32), [2, 2]), name="table")
+
+    def looks_up(x, w):
+        h = tf.sin(x * w)
+        index = keras.ops.argmax(h, axis=-1)  # integer: ends every gradient path
+        return h, tf.gather(table, tf.cast(index, tf.int32) % 2) * 2.0
+
+    x = tf.constant([[0.3, 1.2], [0.9, -0.4]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no ChainedOutputWarning either
+        _structure._warned_chained.discard("looks_up")
+        ours = _step(checkpointable(looks_up, checkpoint=True), mode, "output")(x)
+        checked = _step(checkpointable(looks_up, checkpoint=True, check=True), mode,
+                        "output")(x)
+    assert_all_close(ours, _step(looks_up, mode, "output")(x))
+    assert_all_close(checked, _step(looks_up, mode, "output")(x))
+
+
+def test_a_path_through_float_ops_not_returned_is_still_flagged(mode):
+    """Conservative: ``h`` reaches ``y`` through intermediates the call does not
+    return; that path is followed."""
+    def via_intermediates(x, w):
+        h = tf.sin(x * w)
+        t = tf.where(h > 0, h, -h)  # a float where, then float ops
+        return h, tf.cos(t * 2.0)
+
+    with pytest.raises(ValueError, match=r"output\(s\) \[0\]"):
+        _step(checkpointable(via_intermediates, checkpoint=True, check=True), mode,
+              "output")(tf.constant([0.3, 1.2]))
 
 
 @pytest.mark.parametrize("mode", ["eager", "function"])  # ragged ops do not compile with XLA

@@ -301,7 +301,8 @@ def test_cpu_planning_without_allocator_statistics_says_how_to_enable_them(monke
     layers = [keras.layers.Dense(4) for _ in range(2)]
     with pytest.raises(RuntimeError, match=r"CPU memory statistics are off.*"
                                            r"TF_CPU_ALLOCATOR_USE_BFC=true before TensorFlow "
-                                           r"is imported.*or pass segments="):
+                                           r"is imported.*or use fixed segments.*"
+                                           r"checkpoint_sequential\(layers, x, segments=k\)"):
         plan_sequential(layers, tf.ones([2, 4]), budget=10**6)
 
 

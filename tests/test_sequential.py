@@ -396,5 +396,6 @@ class TestErrors:
             return tape.gradient(y, x)
 
         with pytest.raises(ValueError, match=r"needs the full input shape.*shape \(None, 4\)"
-                                             r".*call it once eagerly on a real batch"):
+                                             r".*drop_remainder=True.*segments= instead of "
+                                             r"budget="):
             step(tf.ones([2, 4]))

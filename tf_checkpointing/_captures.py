@@ -20,7 +20,6 @@ whenever a tape is recording: the error says to pass it as an argument.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -29,7 +28,7 @@ from tensorflow.python.eager import record
 from tensorflow.python.framework import func_graph, op_callbacks
 from tensorflow.python.ops import control_flow_v2_func_graphs as _cf_graphs
 
-from tf_checkpointing._structure import is_differentiable
+from tf_checkpointing._structure import Consumed, is_differentiable, may_carry_gradient
 
 __all__: list[str] = []
 
@@ -40,8 +39,9 @@ class CaptureGuard:
     def __init__(self, name: str, arguments: Sequence[tf.Tensor]) -> None:
         self._name = name
         # Every tensor an op of the call consumed (by id, with a weak reference
-        # that tells a reused id apart and keeps no activation alive).
-        self.consumed: dict[int, weakref.ref] = {}
+        # that tells a reused id apart and keeps no activation alive), and where
+        # it flows, for refuse_chained_outputs.
+        self.consumed = Consumed()
         self._arguments = {id(t) for t in arguments}
         self._known = set(self._arguments)
         self._outside: dict[int, tf.Tensor] = {}
@@ -57,10 +57,11 @@ class CaptureGuard:
 
     def _on_op(self, op_type, inputs, attrs, outputs, op_name=None, graph=None):
         if graph is self._graph:
-            # Only ops with a float output can carry a gradient path to another
-            # output (not tf.shape, asserts, casts to int ...).
-            if outputs and any(is_differentiable(t) for t in outputs):
-                self.consumed.update((id(t), weakref.ref(t)) for t in inputs)
+            # Only ops with an output a gradient can flow through can carry a
+            # gradient path to another output (not tf.shape, argmax, asserts,
+            # casts to int ...); whether a path reaches one is asked later.
+            if outputs and any(may_carry_gradient(t) for t in outputs):
+                self.consumed.record(inputs, outputs)
             for tensor in inputs:
                 if self._made_outside(tensor):
                     self._outside[id(tensor)] = tensor

@@ -64,11 +64,27 @@ def apply_checkpointing(
     replayed during backprop (see :func:`checkpointable`). Layers are searched
     at any depth of ``model``; a chosen layer nested inside another chosen
     layer is left alone, since the outer checkpoint already covers it. The
-    model's weights, variable names and saved files do not change, and calling
-    it again with other options replaces the previous ones. ``model``'s own
-    ``fit`` / ``evaluate`` / ``predict`` steps are traced again; a
+    model's weights, variable names and saved files do not change. ``model``'s
+    own ``fit`` / ``evaluate`` / ``predict`` steps are traced again; a
     ``tf.function`` of your own that already traced the model must be made
     again.
+
+    Calling it again on the same model never undoes a checkpoint (a model
+    loaded from its file, or rebuilt, starts plain); what the new call does
+    depends on what is already there:
+
+    * ``budget`` or ``plan`` after ``budget`` or ``plan``: the new one replaces
+      the previous one (the model's own ``call`` is kept, not wrapped twice).
+    * ``select`` after ``select``: the chosen layers are checkpointed with the
+      new options (a layer chosen again is re-wrapped from its own ``call``,
+      not wrapped twice); layers chosen before and not now stay checkpointed
+      with their old options.
+    * ``select`` after ``budget`` / ``plan``, or ``budget`` / ``plan`` after
+      ``select``: both apply (nested checkpoints). ``select`` leaves the
+      regions running, and the plan already made, if any; a new ``budget``
+      plans again on the next training call. The selected layers run
+      checkpointed inside the regions, so a selected layer inside a region is
+      recomputed by both.
 
     The change is made to the layer objects: a layer shared with another model
     is checkpointed there too. Keras runs ``quantized_call`` instead of
@@ -222,6 +238,11 @@ def _matcher(select: Selector, candidates: Sequence[keras.layers.Layer]) -> Call
                        if not isinstance(layer, keras.layers.InputLayer)]
         hints = {n: difflib.get_close_matches(n, suggestible, n=1, cutoff=0.7) for n in missing}
         hint = "; ".join(f"{n!r}: did you mean {h[0]!r}?" for n, h in hints.items() if h)
+        if "min" in missing:
+            # apply_checkpointing(model, "min") passes "min" as `select` (the one
+            # positional argument), not as the budget it almost surely meant.
+            hint = "; ".join(filter(None, (hint, "'min': did you mean budget='min'? Pass "
+                                           "apply_checkpointing(model, budget='min')")))
         raise ValueError(
             f"apply_checkpointing: argument `select` names layers that do not exist: "
             f"{missing}. {hint + '. ' if hint else ''}The layers are: {_names(candidates)}. "

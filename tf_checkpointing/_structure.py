@@ -35,6 +35,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import warnings
+import weakref
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -161,6 +162,78 @@ def _holds_float_tensor(value: Any) -> bool:
 
 
 _warned_chained: set[str] = set()
+# dtypes whose tensors never carry a gradient (an op with only such outputs, as
+# argmax, a cast to int, tf.shape or a comparison, ends every gradient path).
+_NO_GRADIENT_KINDS = ("is_integer", "is_bool")
+
+
+def may_carry_gradient(tensor: Any) -> bool:
+    """Whether a gradient can flow through ``tensor``: anything but an integer,
+    bool or string tensor. Conservative: a variant (a TensorList, a graph
+    TensorArray's list) or a resource counts, as they can hold floats."""
+    dtype = getattr(tensor, "dtype", None)
+    if dtype is None:
+        return True  # not a tensor we know: assume it can
+    dtype = tf.as_dtype(dtype)
+    return not (any(getattr(dtype, kind) for kind in _NO_GRADIENT_KINDS)
+                or dtype == tf.string)
+
+
+def _key(tensor: Any) -> Optional[int]:
+    """A tensor's unique id: ``Tensor._id`` is never reused (unlike ``id()`` of a
+    freed eager tensor), unique among the tensors of one graph, and holds no
+    reference to the tensor. None if it has none."""
+    key = getattr(tensor, "_id", None)
+    return key if isinstance(key, int) else None
+
+
+# Stands for "any tensor": an op output with no _id is assumed to reach every output.
+_ANY = -1
+
+
+class Consumed(dict):
+    """What the ops of a call consumed, recorded by the capture guard.
+
+    As a dict: ``{id(tensor): weakref}`` for every tensor an op consumed (the
+    weak reference tells a reused id apart and keeps no activation alive).
+    ``feeds`` is the data flow: for each consumed tensor's key, the keys of the
+    outputs of its consumers through which a gradient can flow; an op whose
+    outputs are all integers or bools (``argmax`` and the float ``where`` feeding
+    it, casts to int) adds none, so no path is seen through it.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.feeds: dict[Optional[int], set[int]] = {}
+
+    def record(self, inputs: Sequence[Any], outputs: Sequence[Any]) -> None:
+        """Notes one op (call it only for ops with an output that
+        :func:`may_carry_gradient`)."""
+        self.update((id(t), weakref.ref(t)) for t in inputs)
+        keys: set[int] = set()
+        for t in outputs:
+            if may_carry_gradient(t):
+                key = _key(t)
+                keys.add(_ANY if key is None else key)
+        for tensor in inputs:
+            self.feeds.setdefault(_key(tensor), set()).update(keys)
+
+    def reaches(self, tensor: Any, targets: set[int]) -> bool:
+        """Whether a gradient path leads from ``tensor`` to one of ``targets``
+        (keys) through the ops recorded. Conservative where unsure: a tensor
+        with no key, or an output with none, reaches everything."""
+        start = _key(tensor)
+        if start is None:
+            return True
+        seen, todo = {start}, [start]
+        while todo:
+            for key in self.feeds.get(todo.pop(), ()):
+                if key == _ANY or key in targets:
+                    return True
+                if key not in seen:
+                    seen.add(key)
+                    todo.append(key)
+        return False
 
 
 def _alive(ref: Any) -> Any:
@@ -169,11 +242,24 @@ def _alive(ref: Any) -> Any:
 
 def refuse_chained_outputs(name: str, leaves: Sequence[Any], positions: Sequence[int],
                            consumed: Optional[dict[int, Any]], strict: bool) -> None:
-    """Raises (``strict``) or warns once if a differentiable output was also
-    consumed by an op of the call, i.e. feeds its other outputs."""
+    """Raises (``strict``) or warns once if a differentiable output also feeds
+    another output of the call through a path a gradient can take.
+
+    An output consumed only by ops with integer or bool outputs (``argmax``,
+    a cast to int) feeds nothing a gradient could miss, so it is not flagged.
+    The other outputs are all of them, also those of ``positions`` that only
+    the caller reads: for the outer tape every output is independent of the
+    rest. Without the data flow (``consumed`` a plain dict), any consumer counts.
+    """
     if not consumed:
         return
     chained = [i for i in positions if _alive(consumed.get(id(leaves[i]))) is leaves[i]]
+    if isinstance(consumed, Consumed) and chained:
+        keys = {key for leaf in leaves
+                if isinstance(leaf, tf.Tensor) and may_carry_gradient(leaf)
+                and (key := _key(leaf)) is not None}
+        chained = [i for i in chained
+                   if consumed.reaches(leaves[i], keys - {_key(leaves[i])})]
     if not chained or (not strict and name in _warned_chained):
         return
     message = (

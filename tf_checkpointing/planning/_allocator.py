@@ -60,7 +60,7 @@ def memory_device(inputs: Any, api: str) -> str:
             f"allocator, but CPU memory statistics are off ({_BFC_ENV_VAR} is "
             f"{os.environ.get(_BFC_ENV_VAR)!r}). Fix: set {_BFC_ENV_VAR}=true before "
             "TensorFlow is imported (first lines of the script, or "
-            f"`{_BFC_ENV_VAR}=true python train.py`), or pass segments= instead of budget=."
+            f"`{_BFC_ENV_VAR}=true python train.py`){_without_measuring(api)}."
         )
     grow_cpu_pool(name)  # readings of cut chunks, not whole regions (see _memory)
     return name
@@ -80,10 +80,8 @@ def concrete_inputs(inputs: Any, api: str) -> Any:
             raise ValueError(
                 f"{api}: planning for a memory budget needs the full input shape, but "
                 f"an input has shape {shape} (received a symbolic tensor, e.g. while "
-                "tf.function or Model.fit traces with an unknown batch size). Fix: call "
-                "it once eagerly on a real batch before training (the plan is then "
-                "reused), give the batch size (keras.Input(shape=..., batch_size=32)), "
-                "or pass segments= instead of budget=."
+                "tf.function or Model.fit traces with an unknown batch size, as for a "
+                f"partial last batch). Fix: {_unknown_shape_fixes(api)}"
             )
         dtype = tf.as_dtype(leaf.dtype)
         if dtype.is_floating:
@@ -91,6 +89,52 @@ def concrete_inputs(inputs: Any, api: str) -> Any:
         return tf.zeros(shape, dtype)
 
     return tf.nest.map_structure(make, inputs)
+
+
+# The APIs that take ``segments=`` (a fixed schedule, nothing measured); the others
+# (apply_checkpointing, plan_model, plan_sequential) have no such argument.
+_SEGMENT_APIS = ("checkpoint_sequential", "CheckpointedSequential")
+
+
+def _without_measuring(api: str) -> str:
+    """The way around the allocator that ``api`` offers, if any (a hint that names
+    an argument the caller lacks would be a dead end)."""
+    if api in _SEGMENT_APIS:
+        return ", or pass segments= instead of budget= (fixed segments, nothing measured)"
+    if api in ("apply_checkpointing", "plan_model"):
+        return (", or choose the layers yourself, which measures nothing: "
+                "apply_checkpointing(model, select=[...layer names...])")
+    if api == "plan_sequential":
+        return (", or use fixed segments, which measure nothing: "
+                "checkpoint_sequential(layers, x, segments=k)")
+    return ""
+
+
+def _unknown_shape_fixes(api: str) -> str:
+    """Fixes for an unknown input shape that work for ``api`` (each was run on
+    ``Model.fit`` with a partial last batch). Calling the model once eagerly first
+    is no fix: an eager call without a tape plans nothing, and ``checkpoint_sequential``
+    plans per input shape, so an unknown one is planned again. Nor is
+    ``keras.Input(batch_size=...)``: ``fit`` still traces with an unknown batch size."""
+    if api in ("plan_model", "plan_sequential"):
+        # These take the batch to profile as an argument: a real one is the fix.
+        return ("pass a concrete batch of the training batch size (a tf.Tensor or NumPy "
+                f"array, e.g. x[:32]), not keras.Input(...) or a tensor of a tf.function "
+                f"being traced; to plan for a tf.function or Model.fit step, call {api} "
+                "outside it with mode='graph'.")
+    same_size = ("give every batch the same, known size: dataset.batch(n, "
+                 "drop_remainder=True), for Model.fit on arrays a number of samples "
+                 "that is a multiple of batch_size, and no None batch dimension in a "
+                 "tf.function's input_signature")
+    if api == "apply_checkpointing":
+        # A plan made ahead is never made again, so any batch size trains with it.
+        return ("plan ahead on one batch and apply that plan, which then serves every "
+                "batch size: plan = tf_checkpointing.plan_model(model, x[:batch_size], "
+                "budget=..., mode='graph') (mode='xla' for jit_compile=True), then "
+                f"apply_checkpointing(model, plan=plan); or {same_size}.")
+    if api in _SEGMENT_APIS:
+        return f"{same_size}; or pass segments= instead of budget=."
+    return f"{same_size}."
 
 
 def in_fresh_thread(fn: Callable[..., Any], *args: Any) -> Any:

@@ -210,6 +210,17 @@ def _hashable(value: Any) -> Any:
         return repr(value)
 
 
+_LEAST = ', or budget="min" for the least memory'
+# What else each API that validates a budget here accepts: only the chain APIs
+# take segments=, and apply_checkpointing takes select= instead of a budget.
+_BUDGET_ALTERNATIVES = {
+    "checkpoint_sequential": ', budget="min", or no budget (segments=k, fixed segments)',
+    "CheckpointedSequential": ', budget="min", or no budget (segments=k, fixed segments)',
+    "apply_checkpointing": ', budget="min", or no budget (select=[...layer names...] to '
+                           'choose the layers yourself)',
+}
+
+
 def _expect_budget(budget: Any, api: str) -> Union[int, str]:
     """Bytes as an int, or "min" (the least-memory schedule), as plan_model takes."""
     if isinstance(budget, str) and budget == "min":
@@ -224,7 +235,7 @@ def _expect_budget(budget: Any, api: str) -> Union[int, str]:
     if not (budget > 0 and math.isfinite(budget)):
         raise ValueError(
             f"{api}: argument `budget` must be a positive, finite number of bytes; "
-            f"received budget={budget!r}. Pass e.g. budget=512 * 2**20 for 512 MiB, "
-            "budget=\"min\", or no budget (segments=...)."
+            f"received budget={budget!r}. Pass e.g. budget=512 * 2**20 for 512 MiB"
+            f"{_BUDGET_ALTERNATIVES.get(api, _LEAST)}."
         )
     return int(budget)

@@ -148,6 +148,7 @@ def plan_graph(graph: LayerGraph, inputs: Any, budget: Optional[int], *, mode: s
                api: str, policies: tuple[Any, ...] = ()) -> ModelPlan:
     """The plan for ``graph`` (profiled on ``inputs``) and ``budget`` (None: least),
     choosing among the (validated) save ``policies`` per region."""
+    _expect_layer_calls(graph, api)
     mode = step_mode(mode)
     if mode == "eager":  # a policy keeps nothing in eager mode: no choice
         policies = ()
@@ -217,6 +218,22 @@ def plan_graph(graph: LayerGraph, inputs: Any, budget: Optional[int], *, mode: s
         region_policies=tuple(policies[p] if p >= 0 else None for p in chosen)
         if policies else (),
         predicted_extra_seconds=region_model.extra_work(spans, chosen))
+
+
+def _expect_layer_calls(graph: LayerGraph, api: str) -> None:
+    """Raises if ``graph`` has no layer call: a model that returns its inputs
+    (``keras.Model(i, i)``) has no region to checkpoint, and the profile of an
+    empty chain has nothing to measure (it used to fail with an IndexError).
+    Checked before any profiling, so the message comes first and at once."""
+    if graph.calls:
+        return
+    raise ValueError(
+        f"{api}: `{graph.model.name}` has no layer calls between its inputs and its "
+        "outputs (e.g. keras.Model(inputs, inputs) returns its inputs), so there is "
+        "nothing to checkpoint; received a model with 0 layer calls. Train "
+        "it without apply_checkpointing / plan_model, or pass a model that calls "
+        "layers on its inputs."
+    )
 
 
 def step_mode(mode: str) -> str:

@@ -1,0 +1,93 @@
+"""What the whole-model APIs say when they cannot plan, and that the fixes they
+name work: only arguments the raising API has, and, for an unknown batch size
+(Model.fit with a partial last batch), fixes that actually train."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_checkpointing as tc
+
+
+def _mlp():
+    keras.utils.set_random_seed(0)
+    x = keras.Input((4,))
+    h = keras.layers.Dense(8, activation="relu", name="d1")(x)
+    return keras.Model(x, keras.layers.Dense(2, name="d2")(h))
+
+
+def _data(n=10):
+    rng = np.random.default_rng(0)
+    return rng.random((n, 4), np.float32), rng.random((n, 2), np.float32)
+
+
+def test_fit_with_a_partial_batch_names_fixes_that_work():
+    x, y = _data()  # 10 samples at batch_size=4: the last batch has 2
+    model = _mlp()
+    tc.apply_checkpointing(model, budget="min")
+    model.compile("sgd", "mse")
+    with pytest.raises(ValueError) as caught:
+        model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    message = str(caught.value)
+    assert "apply_checkpointing: planning for a memory budget needs the full input shape" \
+        in message
+    assert "tf_checkpointing.plan_model(model, x[:batch_size]" in message
+    assert "mode='graph'" in message and "apply_checkpointing(model, plan=plan)" in message
+    assert "drop_remainder=True" in message
+    # Neither an argument apply_checkpointing lacks, nor the eager-call advice
+    # (an eager call plans nothing, so fit failed the same way after it).
+    assert "segments" not in message and "eagerly" not in message
+
+
+def test_a_plan_made_ahead_trains_with_a_partial_last_batch():
+    x, y = _data()
+    model = _mlp()
+    plan = tc.plan_model(model, x[:4], budget="min", mode="graph")  # the fix named above
+    tc.apply_checkpointing(model, plan=plan)
+    model.compile("sgd", "mse")
+    history = model.fit(x, y, batch_size=4, epochs=2, verbose=0).history["loss"]
+    assert all(np.isfinite(history))
+    # ... and with a tf.data dataset whose last batch is partial
+    model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(4), epochs=1, verbose=0,
+              shuffle=False)
+    assert model.call.plan is plan  # never planned again
+
+
+def test_plan_model_on_a_symbolic_input_says_pass_a_concrete_batch():
+    with pytest.raises(ValueError, match=r"plan_model: .*full input shape.*Fix: pass a "
+                                         r"concrete batch") as caught:
+        tc.plan_model(_mlp(), keras.Input((4,)), budget="min")
+    assert "segments" not in str(caught.value)
+
+
+@pytest.mark.parametrize("budget", [0, -5, float("nan")])
+def test_a_bad_budget_suggests_only_arguments_of_the_api(budget):
+    with pytest.raises(ValueError, match=r"positive, finite.*budget=\"min\".*select=") as c:
+        tc.apply_checkpointing(_mlp(), budget=budget)
+    assert "segments" not in str(c.value)
+    with pytest.raises(ValueError, match=r"plan_model: .*positive, finite") as c:
+        tc.plan_model(_mlp(), tf.ones([2, 4]), budget=budget)
+    assert "segments" not in str(c.value) and "select" not in str(c.value)
+    with pytest.raises(ValueError, match=r"checkpoint_sequential: .*segments=k"):
+        tc.checkpoint_sequential([keras.layers.Dense(2)], tf.ones([2, 4]), budget=budget)
+
+
+def test_a_model_with_no_layer_calls_is_a_clear_error():
+    i = keras.Input((4,))
+    identity = keras.Model(i, i, name="identity")
+    with pytest.raises(ValueError, match=r"plan_model: `identity` has no layer calls.*"
+                                         r"nothing to checkpoint"):
+        tc.plan_model(identity, tf.ones([2, 4]), budget="min", mode="eager")
+    tc.apply_checkpointing(identity, budget="min")  # planned on the first training call
+    with pytest.raises(ValueError, match=r"apply_checkpointing: `identity` has no layer "
+                                         r"calls"):
+        with tf.GradientTape():
+            identity(tf.ones([2, 4]), training=True)
+
+
+def test_min_passed_as_select_suggests_the_budget():
+    with pytest.raises(ValueError, match=r"do not exist: \['min'\].*did you mean "
+                                         r"budget='min'\?.*apply_checkpointing\(model, "
+                                         r"budget='min'\)"):
+        tc.apply_checkpointing(_mlp(), "min")
