@@ -4,6 +4,8 @@ Each case runs a plain twin and a checkpointed model with the same weights:
 the losses in ``model.losses``, the total loss, and every variable's gradient
 (of the outputs' squares plus ``model.losses``) must be equal, the losses must
 be listed once (not again after the replay), and the replay must have run.
+Also state a forward creates (Keras' global SeedGenerator, made by the first
+unseeded draw): found together with the losses, on keras.applications models.
 """
 
 import dataclasses
@@ -146,3 +148,31 @@ def _traced(run, mode):
 
     loss, grads = compile_step(traced, mode)()
     return loss, counts[-1], grads
+
+
+def test_a_generator_created_inside_the_forward_replays_its_first_draw(mode):
+    """Keras' global SeedGenerator does not exist after set_random_seed until the
+    first unseeded draw, here inside the checkpointed forward: the replay must
+    draw the forward's mask (StochasticDepth in ConvNeXt draws this way)."""
+    dense = keras.layers.Dense(6)
+    dense.build((4, 6))
+
+    def block(x):
+        keep = keras.random.uniform([4, 1]) > 0.5  # unseeded: the global generator
+        return tf.where(keep, dense(x), 0.0) + x
+
+    wrapped = tc.checkpointable(block)
+    x = tf.random.stateless_normal([4, 6], [7, 8])
+    runs = {}
+    for name, fn in (("plain", block), ("ours", lambda x: wrapped(x, _checkpoint=True))):
+        keras.utils.set_random_seed(3)
+
+        def run(fn=fn):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                loss = tf.reduce_sum(fn(x) ** 2)
+            return loss, tape.gradient(loss, [x, *dense.trainable_variables])
+
+        runs[name] = compile_step(run, mode)()
+    assert_all_close(runs["ours"][0], runs["plain"][0])
+    assert_all_close(runs["ours"][1], runs["plain"][1], atol=1e-5)
