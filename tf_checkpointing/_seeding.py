@@ -66,11 +66,19 @@ def forced_seed(call_seed: tf.Tensor) -> Iterator[None]:
     if tf.executing_eagerly():
         _install_eager_hooks()
         saved, _local.rewriter = getattr(_local, "rewriter", None), rewriter
-        op_callbacks.add_op_callback(_refuse_random_ops_in_functions)
+        # Registered once per thread: a nested forced call (a region inside a
+        # region) would add the same callback again, which TensorFlow keeps once,
+        # and its exit would remove it from under the outer call (a KeyError).
+        outermost = getattr(_local, "refusing", 0) == 0
+        if outermost:
+            op_callbacks.add_op_callback(_refuse_random_ops_in_functions)
+        _local.refusing = getattr(_local, "refusing", 0) + 1
         try:
             yield
         finally:
-            op_callbacks.remove_op_callback(_refuse_random_ops_in_functions)
+            _local.refusing -= 1
+            if outermost:
+                op_callbacks.remove_op_callback(_refuse_random_ops_in_functions)
             _local.rewriter = saved
         return
     op_callbacks.add_op_callback(rewriter)
