@@ -185,6 +185,10 @@ def plan_graph(graph: LayerGraph, inputs: Any, budget: Optional[int], *, mode: s
                      policies=policies, predicted_extra_seconds=0.0)
     if budget is None:
         spans, chosen = least_spans, least_chosen
+        if spans and predict(region_model.peak(spans, policies=chosen)) >= plain_peak:
+            # The least plan is no better than plain (a model whose body is one
+            # layer call, as keras_hub's ViTBackbone's encoder): run it plainly.
+            spans, chosen = (), ()
     elif budget >= plain_peak:
         return plan
     elif budget < plan.min_budget_bytes:
