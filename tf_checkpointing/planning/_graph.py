@@ -149,7 +149,9 @@ def _expandable(node: Any, inner: Any) -> bool:
     inputs, in a list/tuple or alone (a dict is matched by name in Keras:
     kept as one call), with no keyword (``training=`` or ``mask=`` given
     there would differ from the outer call's), and whose ``call`` is Keras' own."""
-    args, kwargs = node.arguments.args, node.arguments.kwargs
+    args = node.arguments.args
+    # Keras records a nested model's call with ``mask=None``: no keyword given.
+    kwargs = {k: v for k, v in node.arguments.kwargs.items() if v is not None}
     if len(args) != 1 or kwargs or isinstance(args[0], dict):
         return False
     if "call" in vars(node.operation) or "call" in vars(inner):
