@@ -73,6 +73,20 @@ def test_a_bad_budget_suggests_only_arguments_of_the_api(budget):
         tc.checkpoint_sequential([keras.layers.Dense(2)], tf.ones([2, 4]), budget=budget)
 
 
+def test_a_fractional_budget_is_refused_when_given_with_how_to_get_bytes():
+    """budget=0.5 meant "half of plain"; it was truncated to 0 bytes and failed
+    inside the first training step, naming budget=0."""
+    model = _mlp()
+    with pytest.raises(ValueError, match=r"apply_checkpointing: .*bytes, not a fraction"
+                                         r".*received budget=0\.5.*plan_model\(model, x"
+                                         r".*int\(0\.5 \* plan\.plain_peak_bytes\)"):
+        tc.apply_checkpointing(model, budget=0.5)
+    assert "call" not in vars(model)  # nothing installed
+    with pytest.raises(ValueError, match=r"CheckpointedSequential: .*not a fraction.*"
+                                         r"plan_sequential\(layers, x"):
+        tc.CheckpointedSequential([keras.layers.Dense(2)], budget=0.25)
+
+
 def test_a_model_with_no_layer_calls_is_a_clear_error():
     i = keras.Input((4,))
     identity = keras.Model(i, i, name="identity")

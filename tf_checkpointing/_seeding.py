@@ -32,7 +32,10 @@ import threading
 from collections.abc import Iterator
 from typing import Any, Callable, Optional
 
+import numpy as np
 import tensorflow as tf
+from keras.src.backend.common import global_state
+from keras.src.random.seed_generator import GLOBAL_SEED_GENERATOR
 from tensorflow.python.eager import context
 from tensorflow.python.framework import op_callbacks, random_seed
 from tensorflow.python.ops import gen_random_ops
@@ -86,6 +89,41 @@ def forced_seed(call_seed: tf.Tensor) -> Iterator[None]:
         yield
     finally:
         op_callbacks.remove_op_callback(rewriter)
+
+
+@contextlib.contextmanager
+def random_state_kept() -> Iterator[None]:
+    """Puts back the random state a plain step would draw from, after planning.
+
+    Planning runs the layers (the profile, the measured plans), and an unseeded
+    draw there would move the user's random sequence: Keras creates its global
+    ``SeedGenerator`` at the first unseeded ``keras.random`` draw (seeding it
+    from Python's ``random``) and advances it at each draw, and TensorFlow's
+    unseeded ops take op seeds from the global seed's sequence. A plain model
+    would not have made those draws, so with a plan made inside the first step,
+    that step and every later one drew other numbers (ConvNeXt's
+    ``StochasticDepth`` dropped other blocks). Python's and NumPy's generators,
+    TensorFlow's op-seed sequence and this thread's Keras generator (made by
+    planning: removed; there before: its state) are as they were afterwards.
+    """
+    python, numpy = random.getstate(), np.random.get_state()
+    ops = getattr(context.context(), "_rng", None)  # set by tf.random.set_seed
+    ops_state = ops.getstate() if ops is not None else None
+    generator = global_state.get_global_attribute(GLOBAL_SEED_GENERATOR)
+    with tf.init_scope():  # a step being traced: the value is read eagerly
+        seed_state = generator.state.numpy() if generator is not None else None
+    try:
+        yield
+    finally:
+        random.setstate(python)
+        np.random.set_state(numpy)
+        current = getattr(context.context(), "_rng", None)
+        if current is ops and current is not None:  # not re-seeded meanwhile
+            current.setstate(ops_state)
+        global_state.set_global_attribute(GLOBAL_SEED_GENERATOR, generator)
+        if generator is not None:
+            with tf.init_scope():
+                generator.state.assign(seed_state)
 
 
 _local = threading.local()  # .rewriter: the eager forced-seed call this thread runs

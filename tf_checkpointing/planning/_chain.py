@@ -24,6 +24,7 @@ from typing import Any, Union
 import numpy as np
 import tensorflow as tf
 
+from tf_checkpointing._seeding import random_state_kept
 from tf_checkpointing.planning._allocator import concrete_inputs, in_fresh_thread, in_xla_context
 from tf_checkpointing.planning._calling import route_keywords, validate_layers
 from tf_checkpointing.planning._chain_model import predict_peak as predict_peak
@@ -144,7 +145,17 @@ def cached_plan(layers: list[Any], inputs: Any, budget: Union[int, str], kwargs:
     """The plan for ``budget``, profiling the chain only the first time it is
     seen with these input shapes, keywords and mode (the last 16 chains are
     kept). ``mode="auto"`` plans for a graph while a ``tf.function`` is traced.
-    ``policies`` (validated) are measured once per chain too, for graphs only."""
+    ``policies`` (validated) are measured once per chain too, for graphs only.
+    The random state the layers draw from is as it was before (see
+    ``random_state_kept``)."""
+    with random_state_kept():
+        return _cached_plan(layers, inputs, budget, kwargs, routed, api=api, mode=mode,
+                            policies=policies)
+
+
+def _cached_plan(layers: list[Any], inputs: Any, budget: Union[int, str], kwargs: dict[str, Any],
+                 routed: list[dict], *, api: str, mode: str,
+                 policies: tuple[Any, ...]) -> SequentialPlan:
     compiled = mode in ("graph", "xla") or (mode == "auto" and tf.inside_function())
     xla = mode == "xla" or (mode == "auto" and in_xla_context())
     signature = tuple((tuple(leaf.shape), leaf.dtype.name) if hasattr(leaf, "dtype")
@@ -210,6 +221,7 @@ def _hashable(value: Any) -> Any:
         return repr(value)
 
 
+_MODEL_APIS = ("apply_checkpointing", "plan_model")
 _LEAST = ', or budget="min" for the least memory'
 # What else each API that validates a budget here accepts: only the chain APIs
 # take segments=, and apply_checkpointing takes select= instead of a budget.
@@ -237,5 +249,15 @@ def _expect_budget(budget: Any, api: str) -> Union[int, str]:
             f"{api}: argument `budget` must be a positive, finite number of bytes; "
             f"received budget={budget!r}. Pass e.g. budget=512 * 2**20 for 512 MiB"
             f"{_BUDGET_ALTERNATIVES.get(api, _LEAST)}."
+        )
+    if budget < 1:
+        # A fraction of plain (budget=0.5) would be truncated to 0 bytes and
+        # fail only inside the first training step, naming budget=0.
+        planner = "plan_model(model, x" if api in _MODEL_APIS else "plan_sequential(layers, x"
+        raise ValueError(
+            f"{api}: argument `budget` is a number of bytes, not a fraction of the "
+            f"plain step's peak; received budget={budget!r}. For a fraction of plain, "
+            f"read plain's peak from a plan: plan = {planner}, budget='min'); then "
+            f"budget=int({budget!r} * plan.plain_peak_bytes)."
         )
     return int(budget)

@@ -17,6 +17,7 @@ from typing import Any, Optional, Union
 import numpy as np
 import tensorflow as tf
 
+from tf_checkpointing._seeding import random_state_kept
 from tf_checkpointing.planning._allocator import in_fresh_thread, in_xla_context
 from tf_checkpointing.planning._chain import _expect_budget
 from tf_checkpointing.planning._choices import PolicyChoices, expect_policies
@@ -147,8 +148,15 @@ def expect_model_budget(budget: Any, api: str) -> Optional[int]:
 def plan_graph(graph: LayerGraph, inputs: Any, budget: Optional[int], *, mode: str,
                api: str, policies: tuple[Any, ...] = ()) -> ModelPlan:
     """The plan for ``graph`` (profiled on ``inputs``) and ``budget`` (None: least),
-    choosing among the (validated) save ``policies`` per region."""
+    choosing among the (validated) save ``policies`` per region. The random
+    state the layers draw from is as it was before (see ``random_state_kept``)."""
     _expect_layer_calls(graph, api)
+    with random_state_kept():
+        return _plan_graph(graph, inputs, budget, mode=mode, api=api, policies=policies)
+
+
+def _plan_graph(graph: LayerGraph, inputs: Any, budget: Optional[int], *, mode: str,
+                api: str, policies: tuple[Any, ...]) -> ModelPlan:
     mode = step_mode(mode)
     if mode == "eager":  # a policy keeps nothing in eager mode: no choice
         policies = ()
