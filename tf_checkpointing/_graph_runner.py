@@ -15,10 +15,15 @@ it to ``checkpointed_call``, which keeps what it picks (as
 model do not change; only this instance runs differently.
 
 With a budget, the plan is made on the first call that can take a gradient
-and is not an inference call (``training=False``: ``evaluate``, ``predict``,
-which run plainly until then), from that batch, in the mode that call runs
-(eager, a graph while it is traced, XLA while a ``jit_compile=True`` function
-is), as ``CheckpointedSequential`` does.
+and is not an inference call (``training=False`` with no tape recording:
+``evaluate``, ``predict``, which run plainly until then), from that batch, in
+the mode that call runs (eager, a graph while it is traced, XLA while a
+``jit_compile=True`` function is), as ``CheckpointedSequential`` does, and
+again for another mode or a larger batch (see
+:mod:`tf_checkpointing.planning._reuse`). The layers are profiled in training
+mode, so a
+``training=False`` step under a tape (a frozen backbone being fine-tuned) gets
+a plan that predicts at least what it keeps.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from tf_checkpointing.planning._graph import (
 )
 from tf_checkpointing.planning._model import plan_graph, step_mode
 from tf_checkpointing.planning._plan import ModelPlan
+from tf_checkpointing.planning._reuse import PlansByShape
 
 __all__: list[str] = []
 
@@ -58,7 +64,9 @@ class GraphRunner:
         self.graph = graph
         self.policies = policies  # the candidates for the plan made for `budget`
         self.force_seed, self.check = force_seed, check
-        self.plan = plan
+        self.plan = plan  # the plan of the last call (given: the only one)
+        self.fixed = plan is not None
+        self.plans: PlansByShape[ModelPlan] = PlansByShape()  # made for `budget`
         self.budget = budget
         self.mode = mode
         self.original_call = original_call
@@ -84,23 +92,33 @@ class GraphRunner:
         env = dict(zip(self.graph.input_keys, flat))
         context = dict(kwargs, training=training)
         n = len(self.graph.calls)
-        # Nothing can take a gradient, or an inference call (evaluate, predict:
-        # training=False): run it plainly, and plan only for training steps.
-        if not needs_checkpoint() or (training is False and self.plan is None):
+        plan = self._plan_for(inputs, training) if needs_checkpoint() else None
+        if plan is None:  # nothing can take a gradient, or inference with no plan
             self._run(env, 0, n, context)
         else:
-            if self.plan is None:
-                profiled = AddedLosses(self._layers)
-                try:
-                    self.plan = plan_graph(self.graph, inputs, self.budget,
-                                           mode=step_mode(self.mode), api=_API,
-                                           policies=self.policies)
-                finally:  # the profile's layer calls add losses of their own
-                    profiled.take()
-            self._run_spans(env, 0, n, self.plan.spans, context, self.plan.region_policies)
+            self.plan = plan
+            self._run_spans(env, 0, n, plan.spans, context, plan.region_policies)
         outputs = [env[k] for k in self.graph.output_keys]
         return unpack_singleton(keras.tree.pack_sequence_as(
             functional._outputs_struct, outputs))  # noqa: SLF001
+
+    def _plan_for(self, inputs: Any, training: Any) -> Optional[ModelPlan]:
+        """The given plan, or one made for a budget for this mode and batch (see
+        ``PlansByShape``); None for an inference call before any plan."""
+        if self.fixed:
+            return self.plan
+        mode = step_mode(self.mode)
+        plan, plan_anew = self.plans.find(mode, inputs, training=training)
+        if not plan_anew:
+            return plan
+        profiled = AddedLosses(self._layers)
+        try:
+            plan = plan_graph(self.graph, inputs, self.budget, mode=mode, api=_API,
+                              policies=self.policies)
+        finally:  # the profile's layer calls add losses of their own
+            profiled.take()
+        self.plans.add(mode, inputs, plan)
+        return plan
 
     def _run_spans(self, env: dict[Key, Any], start: int, stop: int, spans: tuple,
                    context: dict, policies: tuple = ()) -> None:

@@ -24,7 +24,9 @@ from tf_checkpointing._sequential import (
 )
 from tf_checkpointing.planning._calling import route_keywords, validate_layers
 from tf_checkpointing.planning._chain import _expect_budget, cached_plan
+from tf_checkpointing.planning._model import step_mode
 from tf_checkpointing.planning._plan import SequentialPlan, even_plan
+from tf_checkpointing.planning._reuse import PlansByShape
 
 __all__ = ["CheckpointedSequential"]
 
@@ -48,11 +50,16 @@ class CheckpointedSequential(keras.layers.Layer):
         segments: number of pieces or ``"sqrt"``, as in
             :func:`checkpoint_sequential`.
         budget: bytes a training step may allocate, or ``"min"`` for the
-            least memory; the chain is planned on the
-            first call whose input shapes are fully known, for eager steps or,
-            if that call is traced in a ``tf.function`` (``Model.fit``), for
-            graph steps, and the plan is reused after (also for the smaller last
-            batch of an epoch).
+            least memory; the chain is planned on its first call that can take
+            a gradient (``evaluate`` and ``predict`` run it plainly until then),
+            from that batch, for eager steps or, if that call is traced in a
+            ``tf.function`` (``Model.fit``), for graph steps (XLA ones under
+            ``jit_compile=True``). That call's batch size must be known: a
+            ``Model.fit`` on a number of samples that is not a multiple of
+            ``batch_size`` traces with an unknown one, and the error names the
+            fixes. A call in another mode, or with a larger batch, is planned
+            again; a smaller batch (an epoch's last) runs the plan made for a
+            larger one.
         policy: a save policy for the checkpointed segments, as in
             :func:`checkpoint_sequential` (saved in the config by name for the
             policies of :mod:`tf_checkpointing.policies`).
@@ -129,7 +136,8 @@ class CheckpointedSequential(keras.layers.Layer):
         self.segments = segments
         self.budget = budget
         self.policy = _policies.resolve(_policies.from_config(policy))
-        self.plan: Optional[SequentialPlan] = None
+        self.plan: Optional[SequentialPlan] = None  # the plan of the last call
+        self._plans: PlansByShape[SequentialPlan] = PlansByShape()  # made for `budget`
         if budget is None:
             self.plan = even_plan(len(layers), expect_segments(segments, len(layers), api))
 
@@ -149,11 +157,19 @@ class CheckpointedSequential(keras.layers.Layer):
         routed = route_keywords(self.layers, kwargs, _LAYER_API, strict=False)
         if not needs_checkpoint():  # eager with no tape: nothing to plan or keep
             return _run_layers(self.layers, routed, 0, len(self.layers), inputs)
-        if self.plan is None:  # a budget, and no plan yet
-            budget = cast(Union[int, str], self.budget)
-            self.plan = cached_plan(self.layers, inputs, budget, kwargs, routed,
-                                    api=_LAYER_API, policies=self.policies)
-        return run_plan(self.layers, self.plan, inputs, kwargs, routed, policy=self.policy)
+        plan = self.plan
+        if self.budget is not None:  # the plan for this mode and batch (see _reuse)
+            mode = step_mode("auto")
+            plan, plan_anew = self._plans.find(mode, inputs, training=training)
+            if plan_anew:
+                plan = cached_plan(self.layers, inputs, cast(Union[int, str], self.budget),
+                                   kwargs, routed, api=_LAYER_API, mode=mode,
+                                   policies=self.policies)
+                self._plans.add(mode, inputs, plan)
+            if plan is None:  # inference (evaluate, predict) before any plan
+                return _run_layers(self.layers, routed, 0, len(self.layers), inputs)
+            self.plan = plan
+        return run_plan(self.layers, plan, inputs, kwargs, routed, policy=self.policy)
 
     def compute_output_spec(self, inputs: Any, training: Optional[bool] = None) -> Any:
         x = inputs

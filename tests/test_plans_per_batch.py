@@ -1,0 +1,156 @@
+"""Which plan a model with ``apply_checkpointing(model, budget=...)``, or a
+``CheckpointedSequential(budget=...)``, runs: one per mode and batch shape,
+made on the first call that needs it.
+
+A plan made for one batch size or mode and run for another is not within its
+budget: a batch-4 warm-up, then batch-32 training, ran the batch-4 plan (no
+regions) at 1.42x the budget; an eager sanity step pinned an eager plan that
+``Model.fit`` then ran.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from helpers import assert_all_close
+from test_whole_model import residual_net
+
+import tf_checkpointing as tc
+from tf_checkpointing import _graph_runner, _sequential_layer
+
+
+@pytest.fixture
+def plans_made(monkeypatch):
+    """The (mode, input shapes) of each plan the runner makes."""
+    made = []
+    original = _graph_runner.plan_graph
+
+    def counting(graph, inputs, budget, *, mode, **kwargs):
+        made.append((mode, tuple(tuple(x.shape) for x in tf.nest.flatten(inputs))))
+        return original(graph, inputs, budget, mode=mode, **kwargs)
+
+    monkeypatch.setattr(_graph_runner, "plan_graph", counting)
+    return made
+
+
+def _train_step(model):
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(x, training=True) ** 2)
+        return tape.gradient(loss, model.trainable_variables)
+    return step
+
+
+def _batch(n):
+    return tf.random.stateless_normal([n, 8, 8, 3], [n, 1])
+
+
+def test_a_larger_batch_is_planned_anew_and_a_smaller_one_reuses_its_plan(plans_made):
+    keras.utils.set_random_seed(0)
+    model = residual_net()
+    tc.apply_checkpointing(model, budget="min")
+    step = _train_step(model)
+    step(_batch(2))  # a warm-up step on a few examples
+    step(_batch(16))
+    assert plans_made == [("graph", ((2, 8, 8, 3),)), ("graph", ((16, 8, 8, 3),))]
+    assert model.call.plan.regions == tc.plan_model(
+        model, _batch(16), budget="min", mode="graph").regions
+    step(_batch(8))  # a smaller batch keeps less: the batch-16 plan
+    assert len(plans_made) == 2
+    assert model.call.plan is model.call.plans.plans("graph")[-1]
+
+
+def test_an_eager_step_then_fit_plans_for_the_graph(plans_made):
+    keras.utils.set_random_seed(0)
+    model = residual_net()
+    tc.apply_checkpointing(model, budget="min")
+    x = np.random.default_rng(0).random((8, 8, 8, 3), np.float32)
+    with tf.GradientTape() as tape:  # an eager sanity step
+        loss = tf.reduce_sum(model(x[:4], training=True))
+    tape.gradient(loss, model.trainable_variables)
+    model.compile("sgd", "mse")
+    model.fit(x, np.zeros((8, 2), np.float32), batch_size=4, epochs=1, verbose=0)
+    assert [mode for mode, _ in plans_made] == ["eager", "graph"]
+    assert model.call.plan.mode == "graph"
+
+
+def test_a_batch_of_unknown_size_runs_the_plan_of_the_largest_batch(plans_made):
+    """A function traced again for an epoch's last, smaller batch with
+    ``reduce_retracing`` (as Model.fit's is) sees a None batch dimension."""
+    keras.utils.set_random_seed(0)
+    model = residual_net()
+    tc.apply_checkpointing(model, budget="min")
+
+    @tf.function(reduce_retracing=True)
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(x, training=True) ** 2)
+        return tape.gradient(loss, model.trainable_variables)
+
+    step(_batch(4))
+    step(_batch(3))
+    assert step.experimental_get_tracing_count() == 2
+    assert plans_made == [("graph", ((4, 8, 8, 3),))]
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_a_frozen_model_under_a_tape_is_planned_and_exact(mode, plans_made):
+    """Fine-tuning through a backbone called with training=False (BatchNorm in
+    inference mode) takes gradients: it is planned, not run plainly."""
+    keras.utils.set_random_seed(0)
+    plain, ours = residual_net(), residual_net()
+    ours.set_weights(plain.get_weights())
+    tc.apply_checkpointing(ours, budget="min")
+    x = _batch(4)
+
+    def grads(model):
+        def step():
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(model(x, training=False) ** 2)
+            return loss, tape.gradient(loss, model.trainable_variables)
+        return step() if mode == "eager" else tf.function(step)()
+
+    expected, got = grads(plain), grads(ours)
+    assert plans_made and ours.call.plan.regions
+    assert_all_close(got[0], expected[0])
+    assert_all_close(got[1], expected[1], atol=1e-5)
+
+
+def test_predict_and_evaluate_before_training_plan_nothing(plans_made):
+    keras.utils.set_random_seed(0)
+    model = residual_net()
+    model.compile("sgd", "mse")
+    tc.apply_checkpointing(model, budget="min")
+    x = np.random.default_rng(0).random((8, 8, 8, 3), np.float32)
+    model.predict(x, verbose=0)
+    model.evaluate(x, np.zeros((8, 2), np.float32), verbose=0)
+    assert plans_made == []
+    model.fit(x, np.zeros((8, 2), np.float32), batch_size=4, verbose=0)
+    model.evaluate(x, np.zeros((8, 2), np.float32), batch_size=8, verbose=0)
+    assert plans_made == [("graph", ((4, 8, 8, 3),))]  # evaluate runs the training plan
+
+
+def test_a_chain_plans_per_mode_and_larger_batch_and_not_for_inference(monkeypatch):
+    made = []
+    original = _sequential_layer.cached_plan
+
+    def counting(layers, inputs, budget, *args, mode, **kwargs):
+        made.append((mode, tuple(inputs.shape)))
+        return original(layers, inputs, budget, *args, mode=mode, **kwargs)
+
+    monkeypatch.setattr(_sequential_layer, "cached_plan", counting)
+    keras.utils.set_random_seed(0)
+    body = tc.CheckpointedSequential(
+        [keras.layers.Dense(32, activation="relu") for _ in range(6)], budget="min")
+    model = keras.Sequential([keras.Input((32,)), body, keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    x = np.random.default_rng(0).random((16, 32), np.float32)
+    model.predict(x, batch_size=8, verbose=0)  # inference: nothing planned
+    assert made == []
+    with tf.GradientTape() as tape:  # an eager step on a few examples
+        loss = tf.reduce_sum(model(x[:4], training=True))
+    tape.gradient(loss, model.trainable_variables)
+    model.fit(x, np.zeros((16, 1), np.float32), batch_size=8, verbose=0)
+    model.fit(x, np.zeros((16, 1), np.float32), batch_size=4, verbose=0)
+    assert made == [("eager", (4, 32)), ("graph", (8, 32))]
