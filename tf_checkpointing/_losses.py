@@ -12,7 +12,10 @@ through :func:`with_added_losses`: the losses its layers add are taken out of
 their lists and returned as extra outputs of the call, whose gradient replays
 the function, and :func:`put_back` adds the returned (differentiable) tensors
 where the layers had put theirs. A replay's losses are taken out the same way,
-so they are never added twice.
+so they are never added twice. The losses returned so are noted
+(:func:`returned_as_loss`): an output of the call they were computed from is
+flagged by the chained-output check (``_structure``), whose message can then say
+that it feeds an added loss, not an output the caller returned.
 
 Which losses a call adds is known by wrapping ``keras.layers.Layer.add_loss``
 (with ``wrapt``, once, when this module is imported): while a checkpointed call
@@ -41,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any, Callable
 
@@ -51,6 +55,10 @@ from keras.src import backend
 __all__ = ["AddedLosses", "put_back", "with_added_losses"]
 
 _collecting = threading.local()  # per thread: the lists of the calls running
+# The losses checkpointed calls returned as outputs, by ``Tensor._id`` (never
+# reused), held weakly: the chained-output check tells them from the call's own
+# outputs.
+_returned: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 
 
 def _note_added_loss(wrapped: Callable[..., Any], layer: Any, args: tuple,
@@ -106,9 +114,20 @@ def with_added_losses(fn: Callable[..., Any]) -> tuple[Callable[..., Any], list[
         if not calls:
             owners.extend(layer for layer, _, _ in noted)
         calls.append(True)
+        for _, loss, _ in noted:
+            key = getattr(loss, "_id", None)
+            if isinstance(key, int):
+                _returned[key] = loss
         return result, [loss for _, loss, _ in noted]
 
     return run, owners
+
+
+def returned_as_loss(tensor: Any) -> bool:
+    """Whether ``tensor`` is a loss a layer added inside a checkpointed call,
+    which :func:`with_added_losses` returned as an output of the call."""
+    key = getattr(tensor, "_id", None)
+    return isinstance(key, int) and _returned.get(key) is tensor
 
 
 def put_back(owners: Sequence[Any], losses: Sequence[Any]) -> None:

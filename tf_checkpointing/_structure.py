@@ -27,7 +27,10 @@ An output that the call also used to compute its other outputs (``h`` and
 respect to the call's inputs and variables are exact, but
 ``tape.gradient(loss, h)`` would miss the path through ``y``.
 :func:`refuse_chained_outputs` raises in the check mode and warns (once per
-function) otherwise.
+function) otherwise. The same holds for a loss a layer adds inside the call
+from an output it returns (an ``activity_regularizer`` on the block's last
+layer): the call returns the loss as an output too (``_losses``), so the message
+names it and the fixes that keep it outside the call.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import tensorflow as tf
 from tensorflow.python.ops import tensor_array_ops
 
 from tf_checkpointing._errors import ChainedOutputWarning
+from tf_checkpointing._losses import returned_as_loss
 
 __all__: list[str] = []
 
@@ -254,15 +258,29 @@ def refuse_chained_outputs(name: str, leaves: Sequence[Any], positions: Sequence
     if not consumed:
         return
     chained = [i for i in positions if _alive(consumed.get(id(leaves[i]))) is leaves[i]]
+    to_losses_only = False
     if isinstance(consumed, Consumed) and chained:
         keys = {key for leaf in leaves
                 if isinstance(leaf, tf.Tensor) and may_carry_gradient(leaf)
                 and (key := _key(leaf)) is not None}
         chained = [i for i in chained
                    if consumed.reaches(leaves[i], keys - {_key(leaves[i])})]
+        # Why tell them apart: the caller returned none of those losses, so "its
+        # other outputs" would name nothing it wrote, and the fixes differ.
+        own = {_key(leaf) for leaf in leaves if not returned_as_loss(leaf)}
+        to_losses_only = bool(chained) and not any(
+            consumed.reaches(leaves[i], (keys & own) - {_key(leaves[i])}) for i in chained)
     if not chained or (not strict and name in _warned_chained):
         return
-    message = (
+    message = (_to_losses_message if to_losses_only else _chained_message)(name, chained)
+    if strict:
+        raise ValueError(message)
+    _warned_chained.add(name)
+    warnings.warn(message, ChainedOutputWarning, stacklevel=2)
+
+
+def _chained_message(name: str, chained: list[int]) -> str:
+    return (
         f"checkpointable: `{name}` returns differentiable output(s) {chained} (positions in "
         "the flattened output) that it also uses to compute its other outputs. For the "
         "outer tape the outputs of a checkpointed call are independent, so "
@@ -274,7 +292,21 @@ def refuse_chained_outputs(name: str, leaves: Sequence[Any], positions: Sequence
         "never take a gradient with respect to that output, nothing is wrong: silence this "
         "with warnings.filterwarnings('ignore', category=tf_checkpointing.ChainedOutputWarning)."
     )
-    if strict:
-        raise ValueError(message)
-    _warned_chained.add(name)
-    warnings.warn(message, ChainedOutputWarning, stacklevel=2)
+
+
+def _to_losses_message(name: str, chained: list[int]) -> str:
+    return (
+        f"checkpointable: `{name}` returns differentiable output(s) {chained} (positions "
+        "in the flattened output) from which a layer inside it computed a loss it added "
+        "(an activity_regularizer, add_loss). The call returns that loss as an output "
+        "too, so that it gets its gradient, and for the outer tape the outputs of a "
+        "checkpointed call are independent, so tape.gradient(loss, output) for such an "
+        "output would miss the path through the added loss (gradients with respect to "
+        "the call's inputs and variables, model.losses included, are exact). Have the "
+        "loss added outside the checkpointed call: checkpointable(layer) on that layer "
+        "(Keras adds its activity regularizer's loss outside the checkpointed call), or "
+        "call that layer after the checkpointed call; or call it with "
+        "_checkpoint=False. If you never take a gradient with respect to that output, "
+        "nothing is wrong: silence this with warnings.filterwarnings('ignore', "
+        "category=tf_checkpointing.ChainedOutputWarning)."
+    )
