@@ -227,7 +227,8 @@ def _budget_plan(blocks: list, options: dict) -> Chain:
     """`CheckpointedSequential(blocks, budget=...)`, planned now on the base batch.
 
     It is planned for the mode the step runs in (its first call is traced in a
-    tf.function for "function" and "xla", so it plans for what a graph keeps).
+    tf.function for "function", with jit_compile=True for "xla", so it plans for
+    what a graph, or XLA, keeps).
     The layer form plans once, on its first call with fully known shapes, and keeps
     the plan for other batch sizes; `checkpoint_sequential(budget=...)` re-plans per
     input shape and cannot plan inside a tf.function traced with an unknown batch size.
@@ -246,13 +247,16 @@ def _budget_plan(blocks: list, options: dict) -> Chain:
                 return sequential(state, training=True)
 
         if options.get("mode", "eager") != "eager":
-            # Planned while a tf.function is traced: for what a graph keeps.
-            first_call = tf.function(first_call, autograph=False)
+            # Planned while a tf.function is traced: for what a graph (or XLA) keeps.
+            # The step's own traces have a None batch, for which no plan can be made.
+            first_call = tf.function(first_call, autograph=False,
+                                     jit_compile=options["mode"] == "xla")
         first_call(options["sample_state"])
         return sequential
 
     wanted = options["plan_budget_bytes"]
-    plan_mode = "eager" if options.get("mode", "eager") == "eager" else "graph"
+    step_mode = options.get("mode", "eager")
+    plan_mode = "graph" if step_mode == "function" else step_mode  # "eager" or "xla"
     least = tf_checkpointing.plan_sequential(  # the same profile the layer's call finds
         blocks, options["sample_state"], budget=2**50, mode=plan_mode,
         training=True).min_budget_bytes or 0

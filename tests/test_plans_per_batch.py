@@ -8,6 +8,8 @@ regions) at 1.42x the budget; an eager sanity step pinned an eager plan that
 ``Model.fit`` then ran.
 """
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -154,3 +156,61 @@ def test_a_chain_plans_per_mode_and_larger_batch_and_not_for_inference(monkeypat
     model.fit(x, np.zeros((16, 1), np.float32), batch_size=8, verbose=0)
     model.fit(x, np.zeros((16, 1), np.float32), batch_size=4, verbose=0)
     assert made == [("eager", (4, 32)), ("graph", (8, 32))]
+
+
+def test_an_unknown_batch_in_a_new_mode_runs_another_modes_plan_and_warns(plans_made):
+    """No plan can be made for a None batch: rather than fail the step, the plan
+    of another mode runs, and the warning says its budget may not hold."""
+    keras.utils.set_random_seed(0)
+    model = residual_net()
+    x = _batch(4)
+    model(x)
+    before = [v.numpy() for v in model.variables]
+
+    def two_steps():
+        with tf.GradientTape() as tape:  # an eager step (checkpointed: an eager plan)
+            loss = tf.reduce_sum(model(x, training=True))
+        tape.gradient(loss, model.trainable_variables)
+
+        @tf.function(input_signature=[tf.TensorSpec([None, 8, 8, 3])])
+        def step(x):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(model(x, training=True) ** 2)
+            return tape.gradient(loss, model.trainable_variables)
+        return step(x)
+
+    expected = two_steps()
+    for variable, value in zip(model.variables, before):
+        variable.assign(value)
+    tc.apply_checkpointing(model, budget="min")
+    with pytest.warns(UserWarning, match=r"apply_checkpointing: this graph step has an "
+                                         r"input of unknown batch size.*runs the plan made "
+                                         r"for eager steps.*Fix:"):
+        got = two_steps()
+    assert plans_made == [("eager", ((4, 8, 8, 3),))]
+    assert model.call.plan.regions
+    assert_all_close(got, expected, atol=1e-5)
+
+
+def test_a_plan_given_for_another_mode_warns_once_and_runs_exactly():
+    keras.utils.set_random_seed(0)
+    model = residual_net()
+    x = _batch(4)
+    model(x)
+    before = [v.numpy() for v in model.variables]
+    step = _train_step(model)
+    expected = step(x)
+    for variable, value in zip(model.variables, before):
+        variable.assign(value)
+    plan = tc.plan_model(model, x, budget="min", mode="eager")
+    assert plan.regions
+    tc.apply_checkpointing(model, plan=plan)
+    with pytest.warns(UserWarning, match=r"`plan` was made for eager steps \(mode='eager'\) "
+                                         r"and runs in a graph step.*mode='graph'"):
+        got = _train_step(model)(x)
+    assert_all_close(got, expected, atol=1e-5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _train_step(model)(x)  # once per mode
+        tc.apply_checkpointing(model, plan=tc.plan_model(model, x, budget="min", mode="graph"))
+        _train_step(model)(x)  # the plan's own mode: no warning

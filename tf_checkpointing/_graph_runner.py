@@ -29,6 +29,7 @@ a plan that predicts at least what it keeps.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any, Optional
 
 import keras
@@ -66,6 +67,7 @@ class GraphRunner:
         self.force_seed, self.check = force_seed, check
         self.plan = plan  # the plan of the last call (given: the only one)
         self.fixed = plan is not None
+        self._warned: set[str] = set()  # modes told that the given plan is another's
         self.plans: PlansByShape[ModelPlan] = PlansByShape()  # made for `budget`
         self.budget = budget
         self.mode = mode
@@ -105,9 +107,10 @@ class GraphRunner:
     def _plan_for(self, inputs: Any, training: Any) -> Optional[ModelPlan]:
         """The given plan, or one made for a budget for this mode and batch (see
         ``PlansByShape``); None for an inference call before any plan."""
-        if self.fixed:
-            return self.plan
         mode = step_mode(self.mode)
+        if self.fixed:
+            self._expect_plan_mode(mode)
+            return self.plan
         plan, plan_anew = self.plans.find(mode, inputs, training=training)
         if not plan_anew:
             return plan
@@ -119,6 +122,24 @@ class GraphRunner:
             profiled.take()
         self.plans.add(mode, inputs, plan)
         return plan
+
+    def _expect_plan_mode(self, mode: str) -> None:
+        """Warns (once per mode) when the given plan was made for another kind of
+        step: its regions run exactly, but what it was predicted to keep holds
+        for the kind it was made for (a graph frees what an eager step keeps,
+        XLA assigns buffers its own way)."""
+        plan = self.plan
+        if plan is None or not plan.spans or plan.mode == mode or mode in self._warned:
+            return
+        self._warned.add(mode)
+        warnings.warn(
+            f"{_API}: argument `plan` was made for {plan.mode} steps (mode={plan.mode!r}) "
+            f"and runs in a{'n' if mode[0] in 'ae' else ''} {mode} step: gradients are exact, "
+            f"but its predicted peak ({plan.predicted_peak_bytes / 2**20:.1f} MiB) holds for "
+            f"{plan.mode} steps. Fix: make it with plan_model(model, x, budget=..., "
+            f"mode={mode!r}) (Model.fit and tf.function: 'graph'; jit_compile=True: "
+            "'xla'), or pass budget=... to plan on the first training step.",
+            UserWarning, stacklevel=4)
 
     def _run_spans(self, env: dict[Key, Any], start: int, stop: int, spans: tuple,
                    context: dict, policies: tuple = ()) -> None:

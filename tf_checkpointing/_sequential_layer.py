@@ -137,7 +137,7 @@ class CheckpointedSequential(keras.layers.Layer):
         self.budget = budget
         self.policy = _policies.resolve(_policies.from_config(policy))
         self.plan: Optional[SequentialPlan] = None  # the plan of the last call
-        self._plans: PlansByShape[SequentialPlan] = PlansByShape()  # made for `budget`
+        self._plans: PlansByShape[SequentialPlan] = PlansByShape(api)  # made for `budget`
         if budget is None:
             self.plan = even_plan(len(layers), expect_segments(segments, len(layers), api))
 

@@ -14,6 +14,7 @@ by ``Model.fit`` with a None batch dimension) runs the largest one's.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Generic, Optional, TypeVar
 
 import tensorflow as tf
@@ -40,8 +41,10 @@ class PlansByShape(Generic[Plan]):
         (None, True)
     """
 
-    def __init__(self) -> None:
+    def __init__(self, api: str = "apply_checkpointing") -> None:
+        self.api = api
         self._made: dict[str, list[tuple[tuple, Plan]]] = {}
+        self._warned: set[str] = set()  # modes told that another mode's plan runs
 
     def find(self, mode: str, inputs: Any, *, training: Any) -> tuple[Optional[Plan], bool]:
         """``(plan, plan_anew)`` for a call in ``mode`` on ``inputs``: a plan
@@ -58,6 +61,22 @@ class PlansByShape(Generic[Plan]):
         inference = training is False and not record.could_possibly_record()
         if made and (inference or not known):
             return made[-1][1], False
+        others = [(m, plans[-1][1]) for m, plans in self._made.items() if plans and m != mode]
+        if not known and not inference and others:
+            # No plan can be made for an unknown batch: rather than fail a step that
+            # an earlier plan can run exactly, run it and say the budget may not hold.
+            other_mode, plan = others[-1]
+            if mode not in self._warned:
+                self._warned.add(mode)
+                warnings.warn(
+                    f"{self.api}: this {mode} step has an input of unknown batch size "
+                    f"(shapes {list(shapes)}), so no plan can be made for it; it runs the "
+                    f"plan made for {other_mode} steps, whose predicted peak may not hold "
+                    f"in {mode} steps. Fix: let the first {mode} step see a known batch "
+                    "size, or plan ahead for this mode (plan_model(..., mode=...) / "
+                    "plan_sequential(..., mode=...)) and pass the plan.",
+                    UserWarning, stacklevel=4)
+            return plan, False
         return None, not inference
 
     def add(self, mode: str, inputs: Any, plan: Plan) -> None:
