@@ -134,7 +134,7 @@ class GraphRunner:
         self._warned.add(mode)
         warnings.warn(
             f"{_API}: argument `plan` was made for {plan.mode} steps (mode={plan.mode!r}) "
-            f"and runs in a{'n' if mode[0] in 'ae' else ''} {mode} step: gradients are exact, "
+            f"and runs in {_A_STEP[mode]} step: gradients are exact, "
             f"but its predicted peak ({plan.predicted_peak_bytes / 2**20:.1f} MiB) holds for "
             f"{plan.mode} steps. Fix: make it with plan_model(model, x, budget=..., "
             f"mode={mode!r}) (Model.fit and tf.function: 'graph'; jit_compile=True: "
@@ -208,6 +208,9 @@ class GraphRunner:
                 set_keras_mask(value, m)
             env[key] = value
         self._forget(env, entering, stop - 1)
+
+
+_A_STEP = {"eager": "an eager", "graph": "a graph", "xla": "an XLA"}
 
 
 def _writes_kept_out(*, replay: bool, flat: bool) -> Any:

@@ -5,7 +5,8 @@ and costs (reading the allocator with :mod:`._allocator`; eager steps in
 :mod:`._layer_profile`, ``tf.function`` and XLA steps in :mod:`._graph_profile`),
 :mod:`._calling` checks a chain and routes its keywords, :mod:`._plan` holds the
 plan types, :mod:`._chain` solves for the schedule of a chain of layers within a
-memory budget; :mod:`._graph` reads a functional model's layer graph and
+memory budget; :mod:`._graph` reads a functional model's layer graph (converting the inputs
+of the nested models it expands as Keras would: :mod:`._nested_inputs`) and
 :mod:`._regions` (memory model, on the tensor lifetimes of :mod:`._lifetimes`),
 :mod:`._region_solver` (program) and
 :mod:`._model` plan checkpointed regions of it.

@@ -9,7 +9,7 @@ own nodes, so that a region may start or end inside it. Tensors are named by
 keys (``(scope, id(keras_tensor))``: a nested model called twice gets two
 scopes), and each call knows which keys it reads and writes. A layer reading
 an input of an expanded model converts it as Keras' call of that model would
-(:class:`NestedInput`). The planner
+(:class:`._nested_inputs.NestedInput`). The planner
 (:mod:`tf_checkpointing.planning._model`) and the runner
 (:mod:`tf_checkpointing._graph_runner`) both work on this list.
 """
@@ -21,66 +21,18 @@ import itertools
 from typing import Any, Optional
 
 import keras
-from keras.src.backend import KerasTensor, is_float_dtype, standardize_dtype
-from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
 from keras.src.models.functional import operation_fn as _operation_fn
-from keras.src.ops.symbolic_arguments import SymbolicArguments
+
+from tf_checkpointing.planning._nested_inputs import (
+    Entering,
+    NestedInput,
+    as_fed,
+    converted_alike,
+)
 
 __all__: list[str] = []
 
 Key = tuple[int, int]
-
-
-@dataclasses.dataclass(frozen=True, eq=False)  # by identity: == on a KerasTensor is an op
-class NestedInput:
-    """What Keras' call of a nested model does to one of its inputs before its
-    layers read it, done again where it is expanded.
-
-    Why: expanded, the nested model's ``__call__`` and ``Functional.call`` do
-    not run, and they convert its inputs (``Layer.__call__`` casts float ones to
-    ``input_dtype``, a Sequential's being its ``keras.Input``'s; then
-    ``Functional._standardize_inputs`` casts each to its ``keras.Input``'s dtype
-    and adds or drops a last axis of size one). Without that, a uint8 image fed to
-    a float32 backbone reached its ``Lambda(lambda x: x / 127.5 - 1)`` as uint8 (a
-    TypeError), and under mixed precision a float16 activation reached a layer that
-    does not autocast as float16, where Keras gives it float32 (the
-    ``keras.Input`` of any policy). A conversion that changes nothing returns the
-    same tensor: no op.
-
-    Attributes:
-        model: the nested model as the outer graph calls it.
-        tensor: its ``keras.Input`` (KerasTensor) this value enters as.
-    """
-
-    model: Any
-    tensor: Any
-
-    def __call__(self, value: Any) -> Any:
-        """``value`` as the nested model's layers get it from Keras."""
-        if value is None:
-            return value
-        mask = get_keras_mask(value)
-        if getattr(self.model, "_convert_input_args", False):
-            value = self.model.dtype_policy.convert_input(value, self.model.autocast,
-                                                          self.model.input_dtype)
-        value = keras.ops.convert_to_tensor(value, dtype=self.tensor.dtype,
-                                            sparse=self.tensor.sparse)
-        rank, expected = len(value.shape), self.tensor.shape
-        if rank == len(expected) + 1 and value.shape[-1] == 1:
-            value = keras.ops.squeeze(value, axis=-1)
-        elif rank == len(expected) - 1 and expected[-1] == 1:
-            value = keras.ops.expand_dims(value, axis=-1)
-        if mask is not None:
-            set_keras_mask(value, mask)
-        return value
-
-    def dtypes(self, dtype: str) -> tuple[str, str]:
-        """The dtypes :meth:`__call__` takes a value of ``dtype`` through: the
-        model's autocast's, then its ``keras.Input``'s."""
-        if (getattr(self.model, "_convert_input_args", False) and self.model.autocast
-                and is_float_dtype(dtype)):
-            dtype = standardize_dtype(self.model.input_dtype)
-        return dtype, standardize_dtype(self.tensor.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,14 +131,9 @@ def read_graph(model: Any, api: str) -> LayerGraph:
                       output_keys=tuple(output_keys))
 
 
-# For an input KerasTensor of an expanded model: the KerasTensor of the value
-# fed to it from outside (where it was made), and the conversions on the way.
-_Entering = tuple[Any, tuple[NestedInput, ...]]
-
-
 def _flatten_into(functional: Any, scope: int, aliases: dict[int, Key],
                   calls: list[GraphCall], scopes: Any,
-                  entering: Optional[dict[int, _Entering]] = None) -> list[Key]:
+                  entering: Optional[dict[int, Entering]] = None) -> list[Key]:
     """Appends ``functional``'s calls; returns the keys of its outputs.
     ``aliases`` maps ids of its input KerasTensors to the outer keys they take,
     ``entering`` to what Keras' calls would do to them first."""
@@ -195,7 +142,7 @@ def _flatten_into(functional: Any, scope: int, aliases: dict[int, Key],
     def key_of(tensor: Any) -> Key:
         return aliases.get(id(tensor), (scope, id(tensor)))
 
-    def fed(tensor: Any) -> _Entering:
+    def fed(tensor: Any) -> Entering:
         return entering.get(id(tensor), (tensor, ()))
 
     for depth in sorted(functional._nodes_by_depth, reverse=True):  # noqa: SLF001
@@ -221,7 +168,7 @@ def _flatten_into(functional: Any, scope: int, aliases: dict[int, Key],
             arguments = node.arguments
             conversions: tuple[tuple[NestedInput, ...], ...] = ()
             if any(id(t) in entering for t in arguments.keras_tensors):
-                arguments = _as_fed(arguments, entering)
+                arguments = as_fed(arguments, entering)
                 conversions = tuple(fed(t)[1] for t in node.arguments.keras_tensors)
             calls.append(GraphCall(
                 name=node.operation.name, layer=node.operation, arguments=arguments,
@@ -230,31 +177,13 @@ def _flatten_into(functional: Any, scope: int, aliases: dict[int, Key],
     return [key_of(t) for t in functional.outputs]
 
 
-def _as_fed(arguments: Any, entering: dict[int, _Entering]) -> Any:
-    """``arguments`` with each input KerasTensor of an expanded model replaced by
-    a copy of the one of the value fed to it (as Keras recorded it outside).
-
-    Why: the planner traces a call on its recorded arguments (which of them its
-    backward keeps); recorded so, the trace runs on the value the call is given and
-    its conversion. A copy: two inputs fed the same tensor stay two arguments."""
-    copies = {}
-    for t in arguments.keras_tensors:
-        if id(t) in entering:
-            source = entering[id(t)][0]
-            copies[id(t)] = KerasTensor(source.shape, dtype=source.dtype, sparse=source.sparse,
-                                        ragged=source.ragged, record_history=False)
-    args, kwargs = arguments.convert(
-        lambda v: copies.get(id(v), v) if isinstance(v, KerasTensor) else v)
-    return SymbolicArguments(*args, **kwargs)
-
-
-def _expandable(node: Any, inner: Any, fed: list[_Entering]) -> bool:
+def _expandable(node: Any, inner: Any, fed: list[Entering]) -> bool:
     """A nested model called on one positional argument holding exactly its
     inputs, in a list/tuple or alone (a dict is matched by name in Keras:
     kept as one call), with no keyword (``training=`` or ``mask=`` given
     there would differ from the outer call's), whose ``call`` is Keras' own,
     and whose input conversions are exact when done by each reader
-    (:func:`_converted_alike`; ``fed``: what reaches each input)."""
+    (:func:`._nested_inputs.converted_alike`; ``fed``: what reaches each input)."""
     args = node.arguments.args
     # Keras records a nested model's call with ``mask=None``: no keyword given.
     kwargs = {k: v for k, v in node.arguments.kwargs.items() if v is not None}
@@ -265,46 +194,7 @@ def _expandable(node: Any, inner: Any, fed: list[_Entering]) -> bool:
     flat = keras.tree.flatten(args[0])
     return (len(flat) == len(inner.inputs) == len(node.arguments.keras_tensors)
             and len(node.outputs) == len(inner.outputs)
-            and _converted_alike(node, inner, fed))
-
-
-def _converted_alike(node: Any, inner: Any, fed: list[_Entering]) -> bool:
-    """Whether converting each input of ``inner`` in each layer call that reads
-    it (:class:`NestedInput`, in :func:`run_call`) gives the values and gradients
-    of Keras' call, which converts it once for all its readers.
-
-    The values are the same. The gradients too when an input is read once, or
-    when its conversion casts no float (an int input has no gradient; a rank
-    adjusted by a reshape, or no conversion, changes none). A float cast read
-    twice is not: Keras sums the readers' gradients at the cast dtype and casts
-    the sum back, converted per reader each gradient is cast back and they are
-    summed at the given dtype (a float64 input read by two float32 layers: 997 of
-    1000 gradient elements differed in their last bits). Such a model is kept as
-    one call, and so is one that returns an input converted (the outer graph would
-    read it unconverted) or that changes its sparseness (not converted here).
-    Judged from the recorded KerasTensors; a layer recorded at another dtype than
-    it returns (a ``Lambda`` that casts to int32 is recorded at float32) is still
-    converted exactly, where it has one reader.
-    """
-    reads: dict[int, int] = {}
-    for nodes in inner._nodes_by_depth.values():  # noqa: SLF001
-        for inner_node in nodes:
-            if inner_node.operation and not inner_node.is_input:
-                for t in inner_node.arguments.keras_tensors:
-                    reads[id(t)] = reads.get(id(t), 0) + 1
-    outputs = {id(t) for t in inner.outputs}
-    for (source, steps), expected in zip(fed, inner.inputs):
-        if source.sparse != expected.sparse or source.ragged != expected.ragged:
-            return False
-        dtypes = [standardize_dtype(source.dtype)]
-        for step in (*steps, NestedInput(node.operation, expected)):
-            dtypes.extend(step.dtypes(dtypes[-1]))
-        cast = len(set(dtypes)) > 1
-        if id(expected) in outputs and (cast or len(source.shape) != len(expected.shape)):
-            return False
-        if reads.get(id(expected), 0) > 1 and is_float_dtype(dtypes[0]) and cast:
-            return False
-    return True
+            and converted_alike(node, inner, fed))
 
 
 def run_call(call: GraphCall, env: dict[Key, Any], context: dict[str, Any]) -> None:
