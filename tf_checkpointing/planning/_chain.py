@@ -198,7 +198,9 @@ def _anchored(profile: ChainProfile, layers: list[Any], inputs: Any, kwargs: dic
     from tf_checkpointing._sequential import run_plan  # noqa: PLC0415 (imports this module)
 
     least = solve(profile, "min", api=api)
-    state = [w for layer in layers for w in getattr(layer, "non_trainable_weights", ())]
+    # Variables, not weights: a Dropout's SeedGenerator state is only among the
+    # former, and the measured step advanced it (another mask in every later step).
+    state = [v for layer in layers for v in getattr(layer, "non_trainable_variables", ())]
     least_bytes = measure_xla_step(lambda x: run_plan(layers, least, x, kwargs, routed),
                                    inputs, api, state)
     model_least = least.predicted_peak_bytes or 0
