@@ -91,7 +91,10 @@ def test_a_batch_of_unknown_size_runs_the_plan_of_the_largest_batch(plans_made):
         return tape.gradient(loss, model.trainable_variables)
 
     step(_batch(4))
-    step(_batch(3))
+    with pytest.warns(UserWarning, match=r"unknown batch size.*runs the plan made for "
+                                         r"inputs of shapes \[\(4, 8, 8, 3\)\], whose "
+                                         r"budget holds only for batches no larger"):
+        step(_batch(3))
     assert step.experimental_get_tracing_count() == 2
     assert plans_made == [("graph", ((4, 8, 8, 3),))]
 
@@ -185,7 +188,7 @@ def test_an_unknown_batch_in_a_new_mode_runs_another_modes_plan_and_warns(plans_
     tc.apply_checkpointing(model, budget="min")
     with pytest.warns(UserWarning, match=r"apply_checkpointing: this graph step has an "
                                          r"input of unknown batch size.*runs the plan made "
-                                         r"for eager steps.*Fix:"):
+                                         r"for inputs of shapes.*and for eager steps.*Fix:"):
         got = two_steps()
     assert plans_made == [("eager", ((4, 8, 8, 3),))]
     assert model.call.plan.regions
@@ -214,3 +217,24 @@ def test_a_plan_given_for_another_mode_warns_once_and_runs_exactly():
         _train_step(model)(x)  # once per mode
         tc.apply_checkpointing(model, plan=tc.plan_model(model, x, budget="min", mode="graph"))
         _train_step(model)(x)  # the plan's own mode: no warning
+
+
+def test_an_unknown_batch_of_larger_inputs_than_planned_is_not_given_a_plan(plans_made):
+    """A plan made for smaller images does not serve a None batch of larger ones:
+    planning is asked for, and says why it cannot (the batch size is unknown)."""
+    keras.utils.set_random_seed(0)
+    x = keras.Input((None, None, 3))
+    h = keras.layers.Conv2D(4, 3, padding="same", activation="relu")(x)
+    h = keras.layers.Conv2D(4, 3, padding="same", activation="relu")(h)
+    model = keras.Model(x, keras.layers.GlobalAveragePooling2D()(h))
+    tc.apply_checkpointing(model, budget="min")
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 16, 16, 3])])
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(x, training=True) ** 2)
+        return tape.gradient(loss, model.trainable_variables)
+
+    _train_step(model)(_batch(4))  # planned for 8x8 images
+    with pytest.raises(ValueError, match=r"needs the full input shape"):
+        step(tf.zeros([4, 16, 16, 3]))

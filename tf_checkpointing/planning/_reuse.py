@@ -7,8 +7,12 @@ batch shape: a call in a new mode, or with a batch larger than any planned for
 its mode, is planned anew (a batch-4 warm-up step, then batch-32 training, ran
 the batch-4 plan at 1.42x the budget; an eager sanity step pinned an eager plan
 that ``Model.fit`` then ran). A smaller batch keeps less, so it runs the plan
-of a batch at least as large; a batch of unknown size (an epoch's last, traced
-by ``Model.fit`` with a None batch dimension) runs the largest one's.
+of a batch at least as large. For a batch of unknown size (traced with a None
+batch dimension: an epoch's last under ``reduce_retracing``) no plan can be
+made: it runs the largest plan whose other dimensions are at least its own, of
+its mode or another, and warns that the budget holds only for batches no
+larger (after a batch-4 warm-up, a ``Model.fit`` traced with a None batch ran
+the batch-4 plan at batch 16, 1.64x the budget, silently).
 """
 
 from __future__ import annotations
@@ -48,36 +52,50 @@ class PlansByShape(Generic[Plan]):
 
     def find(self, mode: str, inputs: Any, *, training: Any) -> tuple[Optional[Plan], bool]:
         """``(plan, plan_anew)`` for a call in ``mode`` on ``inputs``: a plan
-        made for a batch at least as large (or, for a batch of unknown size or
-        an inference call, the largest batch's), else whether to make one.
+        made for inputs at least as large, else whether to make one.
+
         An inference call (``training=False`` and no tape recording: evaluate,
-        predict) never asks for a plan; with none made it runs plainly."""
+        predict) never asks for a plan: it runs the largest one, or plainly. For
+        an input of unknown batch size no plan can be made: it runs the largest
+        plan made for inputs whose known dimensions are at least its own (of its
+        mode, else of another), with a warning that the budget holds only if the
+        batches are no larger; with none, planning raises the error that names
+        the fixes."""
         shapes = _shapes(inputs)
         made = self._made.get(mode, [])
         for planned, plan in made:
             if _within(shapes, planned):
                 return plan, False
-        known = all(d is not None for shape in shapes for d in shape)
-        inference = training is False and not record.could_possibly_record()
-        if made and (inference or not known):
-            return made[-1][1], False
-        others = [(m, plans[-1][1]) for m, plans in self._made.items() if plans and m != mode]
-        if not known and not inference and others:
-            # No plan can be made for an unknown batch: rather than fail a step that
-            # an earlier plan can run exactly, run it and say the budget may not hold.
-            other_mode, plan = others[-1]
-            if mode not in self._warned:
-                self._warned.add(mode)
-                warnings.warn(
-                    f"{self.api}: this {mode} step has an input of unknown batch size "
-                    f"(shapes {list(shapes)}), so no plan can be made for it; it runs the "
-                    f"plan made for {other_mode} steps, whose predicted peak may not hold "
-                    f"in {mode} steps. Fix: let the first {mode} step see a known batch "
-                    "size, or plan ahead for this mode (plan_model(..., mode=...) / "
-                    "plan_sequential(..., mode=...)) and pass the plan.",
-                    UserWarning, stacklevel=4)
-            return plan, False
-        return None, not inference
+        if training is False and not record.could_possibly_record():
+            return (made[-1][1] if made else None), False
+        if all(d is not None for shape in shapes for d in shape):
+            return None, True
+        fitting = ([(mode, s, p) for s, p in made if _within(shapes, s, unknown=True)]
+                   or sorted(((m, s, p) for m, plans in self._made.items() if m != mode
+                              for s, p in plans if _within(shapes, s, unknown=True)),
+                             key=lambda entry: _elements(entry[1])))
+        if not fitting:
+            return None, True
+        planned_mode, planned, plan = fitting[-1]
+        if mode not in self._warned:
+            self._warned.add(mode)
+            other = "" if planned_mode == mode else (
+                f" and for {planned_mode} steps (its predicted peak is theirs)")
+            warnings.warn(
+                f"{self.api}: this {mode} step has an input of unknown batch size (shapes "
+                f"{list(shapes)}), so no plan can be made for it; it runs the plan made "
+                f"for inputs of shapes {list(planned)}{other}, whose budget holds only for "
+                "batches no larger. Fix: make the plan for the training batch first (a "
+                f"first {mode} step at that batch size{self._plan_ahead(mode)}), or give "
+                "every batch a known size (dataset.batch(n, drop_remainder=True)).",
+                UserWarning, stacklevel=4)
+        return plan, False
+
+    def _plan_ahead(self, mode: str) -> str:
+        if self.api != "apply_checkpointing":  # the layer takes no plan
+            return ""
+        return (f", or plan_model(model, x[:batch_size], budget=..., mode={mode!r}) "
+                "passed as plan=")
 
     def add(self, mode: str, inputs: Any, plan: Plan) -> None:
         """Keeps ``plan``, made in ``mode`` for ``inputs``' shapes."""
@@ -96,11 +114,13 @@ def _shapes(inputs: Any) -> tuple:
     return tuple(tuple(s.as_list()) if s.rank is not None else (None,) for s in shapes)
 
 
-def _within(shapes: tuple, planned: tuple) -> bool:
+def _within(shapes: tuple, planned: tuple, unknown: bool = False) -> bool:
     """Whether every input of ``shapes`` is at most as large, dimension by
-    dimension, as the planned one (a smaller batch keeps less)."""
+    dimension, as the planned one (a smaller batch keeps less); with
+    ``unknown``, an unknown dimension is taken to be."""
     return len(shapes) == len(planned) and all(
-        len(a) == len(b) and all(x is not None and x <= y for x, y in zip(a, b))
+        len(a) == len(b) and all((x is None and unknown) or (x is not None and x <= y)
+                                 for x, y in zip(a, b))
         for a, b in zip(shapes, planned))
 
 
