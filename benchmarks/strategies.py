@@ -40,6 +40,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Callable, Optional
 
 import keras
@@ -264,7 +265,12 @@ def _budget_plan(blocks: list, options: dict) -> Chain:
     plan = sequential.plan
 
     def chain(state: Any) -> Any:
-        return sequential(state, training=True)
+        # The step is traced with a None batch (it also runs the half batch), so
+        # the layer warns that its plan holds only for batches no larger than the
+        # one it was made for: the base batch, the largest this benchmark runs.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", r".*unknown batch size", UserWarning)
+            return sequential(state, training=True)
 
     raised = f" (asked {wanted / 2**20:.1f} MiB: below the planner's least)" \
         if least > wanted else ""
