@@ -47,9 +47,12 @@ def dict_head():
     return keras.Model([x, s], keras.layers.Dense(2)(h))
 
 
-CASES = {"training=False": (frozen_head, lambda: [tf.random.stateless_normal([4, 8, 8, 3], [1, 2])]),
-         "dict": (dict_head, lambda: [tf.random.stateless_normal([4, 8, 8, 3], [1, 2]),
-                                      tf.random.stateless_uniform([4, 1], [3, 4])])}
+def _image():
+    return tf.random.stateless_normal([4, 8, 8, 3], [1, 2])
+
+
+CASES = {"training=False": (frozen_head, lambda: [_image()]),
+         "dict": (dict_head, lambda: [_image(), tf.random.stateless_uniform([4, 1], [3, 4])])}
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
