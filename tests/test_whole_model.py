@@ -378,6 +378,38 @@ def test_a_model_output_that_feeds_another_in_one_region_is_flagged():
                  "function")
 
 
+@pytest.mark.parametrize("budget", ["min", "between"])
+def test_no_planned_region_holds_a_model_output_and_a_reader_of_it(budget):
+    """Planned regions never put a model output and a later call reading it in one
+    region (BertBackbone's sequence and pooled outputs drew a ChainedOutputWarning
+    the user could not act on); with check=True nothing is refused."""
+    keras.utils.set_random_seed(0)
+    x = keras.Input((6,))
+    h = x
+    for i in range(4):
+        h = keras.layers.Dense(64, activation="tanh", name=f"body{i}")(h)
+    first = keras.layers.Dense(64, activation="tanh", name="first")(h)
+    y = first
+    for i in range(4):
+        y = keras.layers.Dense(64, activation="tanh", name=f"head{i}")(y)
+    model = keras.Model(x, [first, y])
+    inputs = tf.random.stateless_normal([256, 6], [0, 6])
+    model(inputs)
+    least = tc.plan_model(model, inputs, budget="min", mode="graph")
+    plan = least if budget == "min" else tc.plan_model(
+        model, inputs, budget=(least.min_budget_bytes + least.plain_peak_bytes) // 2,
+        mode="graph")
+    assert plan.regions, str(plan)
+    for region in plan.regions:
+        names = set(_flatten([region]))
+        assert not ("first" in names and "head0" in names), str(plan)
+    tc.apply_checkpointing(model, plan=plan, check=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        grads_of(lambda x: model(x, training=True), [inputs], model.trainable_variables,
+                 "function")
+
+
 def test_graph_plans_predict_chunks_and_plain_its_calibrated_peak():
     """A checkpointed graph plan is predicted with the allocator's chunk factor and
     chosen so that the prediction fits 90% of its budget; the plain plan (a budget at

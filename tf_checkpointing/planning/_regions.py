@@ -111,6 +111,16 @@ class RegionModel:
                                          + beside[k] - own_prefix[k])
             self.fwd_ckpt[a, a + 1:] = ckpt
             self.bwd_region[a, a + 1:] = back + own_prefix[k + 1]
+        # No region holds a model output and a later call reading it (BertBackbone's
+        # sequence output and the pooled output made from it): for the user's tape a
+        # region's outputs are independent, so a gradient with respect to the first
+        # would miss the path through the second (a ChainedOutputWarning that the
+        # user of apply_checkpointing cannot act on). Each call alone stays a plan.
+        for k in np.nonzero(costs.last == n)[0]:
+            made, later = int(costs.producer[k]), [r for r in costs.readers[k] if r < n]
+            if made >= 0 and later:
+                self.fwd_ckpt[:made + 1, min(later) + 1:] = np.inf
+                self.bwd_region[:made + 1, min(later) + 1:] = np.inf
         self._w_suffix, self.plain_scale = w_suffix, 1.0
         # [cut, policy] prefix sums: what a region under a policy keeps on top of
         # its inputs, and the replay time it costs.
