@@ -376,9 +376,9 @@ class TestErrors:
     def test_budget_below_the_minimum(self):
         layers = [keras.layers.Dense(32) for _ in range(4)]
         with pytest.raises(ValueError, match=r"`budget` is below the least memory.*expected "
-                                             r"at least \d+ bytes.*received budget=1000 "):
+                                             r"at least \d+ bytes.*received budget=2000 "):
             with tf.GradientTape():
-                checkpoint_sequential(layers, tf.ones([64, 32]), budget=1000)
+                checkpoint_sequential(layers, tf.ones([64, 32]), budget=2000)
 
     def test_checkpointed_sequential_needs_keras_layers(self):
         with pytest.raises(TypeError, match=r"only Keras layer instances.*keras.layers."

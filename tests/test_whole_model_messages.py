@@ -87,6 +87,16 @@ def test_a_fractional_budget_is_refused_when_given_with_how_to_get_bytes():
         tc.CheckpointedSequential([keras.layers.Dense(2)], budget=0.25)
 
 
+@pytest.mark.parametrize("budget", [1, 2.5, 1000])
+def test_a_budget_of_a_few_bytes_is_refused_with_the_units(budget):
+    with pytest.raises(ValueError, match=r"apply_checkpointing: .*number of bytes; received "
+                                         rf"budget={budget}, less than 1024 bytes.*"
+                                         rf"budget={budget} \* 2\*\*20 for {budget} MiB"):
+        tc.apply_checkpointing(_mlp(), budget=budget)
+    with pytest.raises(ValueError, match=r"CheckpointedSequential: .*less than 1024 bytes"):
+        tc.CheckpointedSequential([keras.layers.Dense(2)], budget=budget)
+
+
 def test_a_model_with_no_layer_calls_is_a_clear_error():
     i = keras.Input((4,))
     identity = keras.Model(i, i, name="identity")

@@ -224,6 +224,7 @@ def _hashable(value: Any) -> Any:
 
 
 _MODEL_APIS = ("apply_checkpointing", "plan_model")
+_LEAST_BYTES = 1024  # a smaller budget is a unit slip (MiB, GiB), not bytes
 _LEAST = ', or budget="min" for the least memory'
 # What else each API that validates a budget here accepts: only the chain APIs
 # take segments=, and apply_checkpointing takes select= instead of a budget.
@@ -261,5 +262,14 @@ def _expect_budget(budget: Any, api: str) -> Union[int, str]:
             f"plain step's peak; received budget={budget!r}. For a fraction of plain, "
             f"read plain's peak from a plan: plan = {planner}, budget='min'); then "
             f"budget=int({budget!r} * plan.plain_peak_bytes)."
+        )
+    if budget < _LEAST_BYTES:
+        # No training step fits in a few bytes: budget=2.5 meant MiB or GiB, and
+        # would fail only inside the first training step.
+        raise ValueError(
+            f"{api}: argument `budget` is a number of bytes; received budget={budget!r}, "
+            f"less than {_LEAST_BYTES} bytes, which no training step fits in. Pass "
+            f"e.g. budget={budget!r} * 2**20 for {budget!r} MiB, or "
+            f"budget={budget!r} * 2**30 for GiB{_BUDGET_ALTERNATIVES.get(api, _LEAST)}."
         )
     return int(budget)
