@@ -116,8 +116,8 @@ class RegionModel:
         # region's outputs are independent, so a gradient with respect to the first
         # would miss the path through the second (a ChainedOutputWarning that the
         # user of apply_checkpointing cannot act on). Each call alone stays a plan.
-        for k in np.nonzero(costs.last == n)[0]:
-            made, later = int(costs.producer[k]), [r for r in costs.readers[k] if r < n]
+        for key in np.nonzero(costs.last == n)[0]:
+            made, later = int(costs.producer[key]), [r for r in costs.readers[key] if r < n]
             if made >= 0 and later:
                 self.fwd_ckpt[:made + 1, min(later) + 1:] = np.inf
                 self.bwd_region[:made + 1, min(later) + 1:] = np.inf
