@@ -59,7 +59,9 @@ class CheckpointedSequential(keras.layers.Layer):
             ``batch_size`` traces with an unknown one, and the error names the
             fixes. A call in another mode, or with a larger batch, is planned
             again; a smaller batch (an epoch's last) runs the plan made for a
-            larger one.
+            larger one, and a later call of unknown batch size the largest
+            plan, with a warning that the budget holds only for batches no
+            larger.
         policy: a save policy for the checkpointed segments, as in
             :func:`checkpoint_sequential` (saved in the config by name for the
             policies of :mod:`tf_checkpointing.policies`).

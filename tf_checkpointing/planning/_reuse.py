@@ -48,7 +48,7 @@ class PlansByShape(Generic[Plan]):
     def __init__(self, api: str = "apply_checkpointing") -> None:
         self.api = api
         self._made: dict[str, list[tuple[tuple, Plan]]] = {}
-        self._warned: set[str] = set()  # modes told that another mode's plan runs
+        self._warned: set[str] = set()  # modes told that an unknown batch runs a plan
 
     def find(self, mode: str, inputs: Any, *, training: Any) -> tuple[Optional[Plan], bool]:
         """``(plan, plan_anew)`` for a call in ``mode`` on ``inputs``: a plan
