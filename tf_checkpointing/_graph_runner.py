@@ -21,9 +21,8 @@ the mode that call runs (eager, a graph while it is traced, XLA while a
 ``jit_compile=True`` function is), as ``CheckpointedSequential`` does, and
 again for another mode or a larger batch (see
 :mod:`tf_checkpointing.planning._reuse`). The layers are profiled in training
-mode, so a
-``training=False`` step under a tape (a frozen backbone being fine-tuned) gets
-a plan that predicts at least what it keeps.
+mode, so a ``training=False`` step under a tape (a frozen backbone being
+fine-tuned) gets a plan that predicts at least what it keeps.
 """
 
 from __future__ import annotations
