@@ -288,9 +288,8 @@ def _chained_message(name: str, chained: list[int]) -> str:
         "outputs computed from it "
         "(gradients with respect to the call's inputs and variables are exact). Return "
         "only the final outputs, split the block into two checkpointed calls (the second "
-        "taking that output as an argument), or call it with _checkpoint=False. If you "
-        "never take a gradient with respect to that output, nothing is wrong: silence this "
-        "with warnings.filterwarnings('ignore', category=tf_checkpointing.ChainedOutputWarning)."
+        "taking that output as an argument), or call it with _checkpoint=False. "
+        + _SILENCE
     )
 
 
@@ -306,7 +305,12 @@ def _to_losses_message(name: str, chained: list[int]) -> str:
         "loss added outside the checkpointed call: checkpointable(layer) on that layer "
         "(Keras adds its activity regularizer's loss outside the checkpointed call), or "
         "call that layer after the checkpointed call; or call it with "
-        "_checkpoint=False. If you never take a gradient with respect to that output, "
-        "nothing is wrong: silence this with warnings.filterwarnings('ignore', "
-        "category=tf_checkpointing.ChainedOutputWarning)."
+        "_checkpoint=False. " + _SILENCE
     )
+
+
+_SILENCE = (
+    "If you never take a gradient with respect to that output, nothing is wrong: silence "
+    "this with warnings.filterwarnings('ignore', "
+    "category=tf_checkpointing.ChainedOutputWarning)."
+)
