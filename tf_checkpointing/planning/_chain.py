@@ -146,16 +146,9 @@ def cached_plan(layers: list[Any], inputs: Any, budget: Union[int, str], kwargs:
     seen with these input shapes, keywords and mode (the last 16 chains are
     kept). ``mode="auto"`` plans for a graph while a ``tf.function`` is traced.
     ``policies`` (validated) are measured once per chain too, for graphs only.
-    The random state the layers draw from is as it was before (see
-    ``random_state_kept``)."""
-    with random_state_kept():
-        return _cached_plan(layers, inputs, budget, kwargs, routed, api=api, mode=mode,
-                            policies=policies)
-
-
-def _cached_plan(layers: list[Any], inputs: Any, budget: Union[int, str], kwargs: dict[str, Any],
-                 routed: list[dict], *, api: str, mode: str,
-                 policies: tuple[Any, ...]) -> SequentialPlan:
+    Measuring runs the layers; the random state they draw from is put back (see
+    ``random_state_kept``), only then: ``checkpoint_sequential(budget=)`` asks
+    for its plan on every call."""
     compiled = mode in ("graph", "xla") or (mode == "auto" and tf.inside_function())
     xla = mode == "xla" or (mode == "auto" and in_xla_context())
     signature = tuple((tuple(leaf.shape), leaf.dtype.name) if hasattr(leaf, "dtype")
@@ -169,11 +162,12 @@ def _cached_plan(layers: list[Any], inputs: Any, budget: Union[int, str], kwargs
                  or type(layer).__name__ for layer in layers]
         # Identical layers on equal shapes (a transformer's blocks) share one
         # graph profile: the decoder of the benchmarks plans in 1/3 of the time.
-        profile = profile_chain(calls, inputs, names=names, api=api, compiled=compiled,
-                                xla=xla, layer_keys=[layer_key(layer, kw) for layer, kw
-                                                     in zip(layers, routed)])
-        if xla:
-            profile = _anchored(profile, layers, inputs, kwargs, routed, api)
+        with random_state_kept():
+            profile = profile_chain(calls, inputs, names=names, api=api, compiled=compiled,
+                                    xla=xla, layer_keys=[layer_key(layer, kw) for layer, kw
+                                                         in zip(layers, routed)])
+            if xla:
+                profile = _anchored(profile, layers, inputs, kwargs, routed, api)
         # The layers are kept alive with the entry, so their ids stay theirs.
         entry = _profiles[key] = (list(layers), profile, {}, {})
         if len(_profiles) > _CACHE_SIZE:
@@ -183,8 +177,9 @@ def _cached_plan(layers: list[Any], inputs: Any, budget: Union[int, str], kwargs
         policies = ()
     choices: dict[tuple, PolicyChoices] = entry[2]
     if policies and policies not in choices:
-        choices[policies] = in_fresh_thread(lambda: measure_choices(
-            layers, routed, concrete_inputs(inputs, api), policies, xla=xla))
+        with random_state_kept():
+            choices[policies] = in_fresh_thread(lambda: measure_choices(
+                layers, routed, concrete_inputs(inputs, api), policies, xla=xla))
     plans: dict[tuple, SequentialPlan] = entry[3]
     if (budget, policies) not in plans:
         plans[budget, policies] = solve(entry[1], budget, api=api,
