@@ -38,6 +38,7 @@ from keras.src.models.functional import unpack_singleton
 from tf_checkpointing._flags import checkpoint_scopes_entered
 from tf_checkpointing._losses import AddedLosses
 from tf_checkpointing._recompute import checkpointed_call, needs_checkpoint
+from tf_checkpointing.planning._frozen import backprop_calls
 from tf_checkpointing.planning._graph import (
     Key,
     LayerGraph,
@@ -67,7 +68,7 @@ class GraphRunner:
         self.plan = plan  # the plan of the last call (given: the only one)
         self.fixed = plan is not None
         self._warned: set[str] = set()  # modes told that the given plan is another's
-        self.plans: PlansByShape[ModelPlan] = PlansByShape()  # made for `budget`
+        self._plans: dict[tuple, PlansByShape[ModelPlan]] = {}  # made for `budget`
         self.budget = budget
         self.mode = mode
         self.original_call = original_call
@@ -81,6 +82,13 @@ class GraphRunner:
         # Every layer whose losses the profile could add (nested models' too).
         self._layers = list(graph.model._flatten_layers(include_self=True,  # noqa: SLF001
                                                          recursive=True))
+
+    @property
+    def plans(self) -> PlansByShape[ModelPlan]:
+        """The plans made for ``budget`` while the same layers are frozen as now:
+        unfreezing a backbone (fine-tuning's second phase) changes what a
+        compiled step keeps, so the next training call is planned anew."""
+        return self._plans.setdefault(backprop_calls(self.graph), PlansByShape())
 
     def __call__(self, inputs: Any, training: Any = None, mask: Any = None,
                  **kwargs: Any) -> Any:

@@ -11,7 +11,8 @@ planners calibrate their per-layer numbers to.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Optional
 
 import tensorflow as tf
 
@@ -30,7 +31,8 @@ __all__: list[str] = []
 _GRAPH_RUNS = 5  # runs of each layer's graph; the profile keeps the median readings
 
 
-def graph_profile(calls, x, device, names, same_as, applied=False) -> ChainProfile:
+def graph_profile(calls, x, device, names, same_as, applied=False,
+                  trainable=None) -> ChainProfile:
     """The profile of a ``tf.function`` training step (see :func:`profile_chain`)."""
     graphs = [tf.function(call, autograph=False) if same_as[i] == i else call
               for i, call in enumerate(calls)]
@@ -43,7 +45,7 @@ def graph_profile(calls, x, device, names, same_as, applied=False) -> ChainProfi
     sync(identity(x))  # traced
     launch = forward_seconds(identity, x)
     untaped, seconds, sizes = untaped_pass(graphs, x, device, call_overhead=launch)
-    plain_peak = graph_plain_peak(calls, x, device, False, applied)
+    plain_peak = graph_plain_peak(calls, x, device, False, applied, trainable)
     layers: list[Any] = []
     grad_sizes: list[Any] = []
     y_grad_bytes = 0
@@ -122,16 +124,21 @@ def _graph_layer(call, x, device, name) -> tuple[LayerProfile, int, int]:
 
 
 def graph_plain_peak(calls, x, device, jit_compile: bool = False,
-                      applied: bool = False) -> int:
+                     applied: bool = False, trainable: Optional[Sequence[Any]] = None,
+                     compiled: bool = True) -> int:
     """Peak of the chain's plain forward and backward as one ``tf.function``
-    (with ``applied``: each gradient consumed at once, as by an optimizer)."""
+    (with ``applied``: each gradient consumed at once, as by an optimizer;
+    without ``compiled``: run eagerly). The gradients are of the inputs and every
+    variable the tape watched, or, given ``trainable``, of those variables only,
+    as ``Model.fit`` asks for them: a graph then keeps nothing for the calls of
+    a frozen backbone (whose variables the tape still watches)."""
 
     def chain(x: Any) -> list[Any]:
-        tape, y = taped(lambda x: run_all(calls, x), x)
-        grads = _backprop(tape, x, y)
+        tape, y = taped(lambda x: run_all(calls, x), x, watch=trainable is None)
+        grads = _backprop(tape, x, y, trainable)
         return [tf.reduce_sum(g) for g in grads] if applied else grads
 
-    step = tf.function(chain, autograph=False, jit_compile=jit_compile)
+    step = tf.function(chain, autograph=False, jit_compile=jit_compile) if compiled else chain
     sync(step(x))  # trace and warm up
     allocator = Allocator(device)
     start = allocator.mark()
@@ -139,12 +146,15 @@ def graph_plain_peak(calls, x, device, jit_compile: bool = False,
     return max(0, allocator.peak_since_mark() - start)
 
 
-def _backprop(tape: tf.GradientTape, x: Any, y: Any) -> list[Any]:
-    """The gradients of every differentiable input leaf and variable for an
-    output gradient of ones (zeros for those not connected)."""
+def _backprop(tape: tf.GradientTape, x: Any, y: Any,
+              trainable: Optional[Sequence[Any]] = None) -> list[Any]:
+    """The gradients of every differentiable input leaf and variable (or of the
+    ``trainable`` variables only) for an output gradient of ones (zeros for
+    those not connected)."""
     leaves = [t for t in tf.nest.flatten(x) if is_differentiable(t)]
     outputs = [t for t in tf.nest.flatten(y) if is_differentiable(t)]
-    return tape.gradient(outputs, leaves + list(tape.watched_variables()),
+    sources = leaves + list(tape.watched_variables()) if trainable is None else list(trainable)
+    return tape.gradient(outputs, sources,
                          output_gradients=[tf.ones_like(t) for t in outputs],
                          unconnected_gradients=tf.UnconnectedGradients.ZERO)
 

@@ -83,9 +83,13 @@ class ChainProfile:
     xla_anchor: Any = None
 
 
-def taped(call: Callable[[Any], Any], x: Any) -> tuple[tf.GradientTape, Any]:
+def taped(call: Callable[[Any], Any], x: Any,
+          watch: bool = True) -> tuple[tf.GradientTape, Any]:
+    """``call(x)`` under a tape that watches ``x`` (with ``watch``) and the
+    trainable variables the call reads."""
     with tf.GradientTape() as tape:
-        tape.watch([t for t in tf.nest.flatten(x) if is_differentiable(t)])
+        if watch:
+            tape.watch([t for t in tf.nest.flatten(x) if is_differentiable(t)])
         y = call(x)
     return tape, y
 

@@ -21,6 +21,7 @@ from tf_checkpointing._seeding import random_state_kept
 from tf_checkpointing.planning._allocator import in_fresh_thread, in_xla_context
 from tf_checkpointing.planning._chain import _expect_budget
 from tf_checkpointing.planning._choices import PolicyChoices, expect_policies
+from tf_checkpointing.planning._frozen import backprop_calls, without_backward
 from tf_checkpointing.planning._graph import (
     LayerGraph,
     last_uses,
@@ -304,13 +305,15 @@ def _cached_choices(graph: LayerGraph, inputs: Any, mode: str, api: str,
 def _profile_key(graph: LayerGraph, inputs: Any, mode: str) -> tuple:
     shapes = tuple((tuple(leaf.shape), str(leaf.dtype)) for leaf in tf.nest.flatten(inputs)
                    if hasattr(leaf, "shape"))
-    return (id(graph.model), len(graph.calls), shapes, mode)
+    # Which layers are frozen: unfreezing a backbone makes another profile.
+    return (id(graph.model), len(graph.calls), shapes, mode, backprop_calls(graph))
 
 
 def _profile(graph: LayerGraph, inputs: Any, *, mode: str,
              api: str) -> tuple[ChainProfile, GraphCosts]:
     """Profiles the graph as a chain of live-tensor states."""
     keys = tensor_keys(graph)
+    reached = backprop_calls(graph, mode)
     last = last_uses(graph)
     made = graph.producers()
     n = len(graph.calls)
@@ -330,7 +333,11 @@ def _profile(graph: LayerGraph, inputs: Any, *, mode: str,
     try:
         profile = profile_chain(calls, start, names=[c.name for c in graph.calls], api=api,
                                 compiled=mode != "eager", same_as=same,
-                                xla=mode == "xla", applied=mode != "eager")
+                                xla=mode == "xla", applied=mode != "eager",
+                                # A model whose every call backprop reaches is measured
+                                # as it was validated (the input's gradient made too).
+                                trainable=None if all(reached)
+                                else graph.model.trainable_variables)
     finally:
         in_fresh_thread(lambda: [v.assign(value) for v, value in zip(state, saved)])
     readers = graph.consumers()
@@ -362,7 +369,7 @@ def _profile(graph: LayerGraph, inputs: Any, *, mode: str,
         own_wgrad=np.array([0 if mode == "eager" else p.weight_grad_bytes for p in layers],
                            float),
         savers=savers)
-    return profile, costs
+    return profile, without_backward(costs, reached)
 
 
 def _costs(seconds: np.ndarray) -> np.ndarray:

@@ -34,7 +34,8 @@ def profile_chain(calls: Sequence[Callable[[Any], Any]], inputs: Any, *,
                   names: Sequence[str], api: str, compiled: bool = False,
                   same_as: Optional[Sequence[int]] = None, xla: bool = False,
                   applied: bool = False,
-                  layer_keys: Optional[Sequence[Any]] = None) -> ChainProfile:
+                  layer_keys: Optional[Sequence[Any]] = None,
+                  trainable: Optional[Sequence[Any]] = None) -> ChainProfile:
     """Runs the chain ``calls`` on ``inputs`` and measures each layer.
 
     ``calls[i](x)`` runs layer ``i`` (with its keywords bound). Runs eagerly in
@@ -57,10 +58,13 @@ def profile_chain(calls: Sequence[Callable[[Any], Any]], inputs: Any, *,
     ``layer_keys`` (equal for layers of the same class, configuration and
     weight shapes, e.g. from :func:`layer_key`) make the calls whose keys and
     input shapes are equal share one reading: a transformer's identical blocks
-    are traced and measured once.
+    are traced and measured once. Given ``trainable`` (with ``compiled``), the
+    plain step differentiates only those variables, not the inputs, as
+    ``Model.fit`` does (a graph then keeps nothing for a frozen backbone's
+    calls); each call's own readings are taken with its inputs watched either way.
     """
     return in_fresh_thread(_profile, calls, inputs, names, api, compiled, same_as, xla,
-                           applied, layer_keys)
+                           applied, layer_keys, trainable)
 
 
 def layer_key(layer: Any, keywords: Any = None) -> Any:
@@ -78,7 +82,7 @@ def layer_key(layer: Any, keywords: Any = None) -> Any:
 
 
 def _profile(calls, inputs, names, api, compiled, same_as=None, xla=False,
-             applied=False, layer_keys=None) -> ChainProfile:
+             applied=False, layer_keys=None, trainable=None) -> ChainProfile:
     x = concrete_inputs(inputs, api)
     device = memory_device(x, api)
     recorder = StateRecorder()
@@ -97,10 +101,11 @@ def _profile(calls, inputs, names, api, compiled, same_as=None, xla=False,
             x = concrete_inputs(inputs, api)
             if compiled:
                 profile = graph_profile(calls, x, device, names,
-                                        same_as or list(range(len(calls))), applied)
+                                        same_as or list(range(len(calls))), applied,
+                                        trainable)
                 if xla:
                     profile = dataclasses.replace(profile, xla=True, plain_peak_bytes=(
-                        graph_plain_peak(calls, x, device, True, applied)))
+                        graph_plain_peak(calls, x, device, True, applied, trainable)))
                 return profile
             untaped, seconds, sizes = untaped_pass(calls, x, device)
             return taped_pass(calls, x, device, names, untaped, seconds, sizes)

@@ -146,7 +146,8 @@ class XlaAnchor:
 
 
 def measure_xla_step(run: Callable[[Any], Any], inputs: Any, api: str,
-                     variables: Sequence[Any] = ()) -> int:
+                     variables: Sequence[Any] = (),
+                     trainable: Optional[Sequence[Any]] = None) -> int:
     """Peak of ``run``'s forward and backward compiled with ``jit_compile=True``
     (each gradient consumed at once, as an optimizer in the step does), run on
     ``inputs`` eagerly in a thread of its own; the state it writes (BatchNorm
@@ -159,7 +160,8 @@ def measure_xla_step(run: Callable[[Any], Any], inputs: Any, api: str,
         recorder = StateRecorder()
         with recorder:
             try:
-                return graph_plain_peak([run], x, device, True, applied=True)
+                return graph_plain_peak([run], x, device, True, applied=True,
+                                        trainable=trainable)
             finally:
                 recorder.restore_before()
                 for v, value in zip(variables, saved):
@@ -187,13 +189,16 @@ def measure_plan(graph: Any, inputs: Any, api: str, spans: tuple,
     """The peak of the XLA step of ``graph``'s model run by the plan of ``spans``."""
     # Imported here: the runner plans with the model planner, which uses this.
     from tf_checkpointing._graph_runner import GraphRunner  # noqa: PLC0415
+    from tf_checkpointing.planning._frozen import backprop_calls  # noqa: PLC0415
     from tf_checkpointing.planning._plan import ModelPlan  # noqa: PLC0415
 
     names = tuple(call.name for call in graph.calls)
     plan = ModelPlan(names, spans, "xla", None, 0, 0, 0, region_policies=region_policies)
     runner = GraphRunner(graph, plan=plan)
     return measure_xla_step(lambda x: runner(x, training=True), inputs, api,
-                            graph.model.non_trainable_variables)
+                            graph.model.non_trainable_variables,
+                            trainable=None if all(backprop_calls(graph, "xla"))
+                            else graph.model.trainable_variables)
 
 
 def forget_model_anchor(key: Any) -> Optional[XlaAnchor]:

@@ -1,0 +1,156 @@
+"""Whole-model plans of models with frozen layers (fine-tuning a backbone).
+
+A compiled step's backward does not reach a frozen call that reads only the
+model's inputs or other frozen calls: it keeps nothing for it. The planner
+used to model such calls as backprop would run them: on a MobileNetV2 frozen
+under a trainable head it put the plain step at 189 MiB against 32 MiB
+measured, and refused every budget below 57 MiB.
+"""
+
+import dataclasses
+import json
+
+import keras
+import pytest
+import tensorflow as tf
+from helpers import assert_all_close, grads_of
+from test_whole_model_memory import STEP
+from test_whole_model_memory import _run as run_script
+
+import tf_checkpointing as tc
+from tf_checkpointing import _graph_runner
+from tf_checkpointing.planning._frozen import backprop_calls
+from tf_checkpointing.planning._graph import read_graph
+
+
+def partly_frozen(frozen_blocks=2, blocks=4, width=8, image=8):
+    """A residual conv net whose stem and first blocks are frozen."""
+    x = keras.Input((image, image, 3))
+    stem = keras.layers.Conv2D(width, 3, padding="same", name="stem")
+    h = stem(x)
+    frozen = [stem]
+    for i in range(blocks):
+        conv = keras.layers.Conv2D(width, 3, padding="same", name=f"conv{i}")
+        norm = keras.layers.BatchNormalization(name=f"bn{i}")
+        y = keras.layers.Activation("relu", name=f"relu{i}")(norm(conv(h)))
+        y = keras.layers.Dropout(0.3, name=f"drop{i}")(y)
+        h = keras.layers.Add(name=f"add{i}")([h, y])
+        if i < frozen_blocks:
+            frozen += [conv, norm]
+    out = keras.layers.Dense(2, name="head")(keras.layers.GlobalAveragePooling2D()(h))
+    model = keras.Model(x, out)
+    for layer in frozen:
+        layer.trainable = False
+    return model
+
+
+def test_calls_backprop_reaches():
+    model = partly_frozen(frozen_blocks=1, blocks=2)
+    graph = read_graph(model, "test")
+    reached = dict(zip((c.name for c in graph.calls), backprop_calls(graph)))
+    # The frozen stem and block, and the Activation, Dropout and Add reading only
+    # them, are outside backprop; the first trainable conv and all after it are in.
+    assert [name for name, inside in reached.items() if not inside] == [
+        "stem", "conv0", "bn0", "relu0", "drop0", "add0"]
+    assert all(backprop_calls(graph, "eager"))  # the eager tape records them all
+
+
+def _run(model, x, mode):
+    loss, grads = grads_of(lambda x: model(x, training=True), [x], model.trainable_variables,
+                           mode)
+    return loss, grads, [v.numpy() for v in model.variables]
+
+
+@pytest.mark.filterwarnings("ignore:apply_checkpointing. argument .plan. was made for eager")
+def test_regions_over_frozen_layers_equal_plain(mode):
+    keras.utils.set_random_seed(0)
+    model = partly_frozen()
+    x = tf.random.stateless_normal([4, 8, 8, 3], [0, 1])
+    model(x)
+    before = [v.numpy() for v in model.variables]
+    plain = _run(model, x, mode)
+    for variable, value in zip(model.variables, before):
+        variable.assign(value)
+    plan = tc.plan_model(model, x, budget="min", mode="eager")
+    names = list(plan.call_names)
+    # A region of frozen calls only, one from frozen into trainable calls, one of
+    # trainable calls only.
+    spans = ((0, names.index("add0") + 1, ()),
+             (names.index("conv1"), names.index("add2") + 1, ()),
+             (names.index("conv3"), names.index("add3") + 1, ()))
+    tc.apply_checkpointing(model, plan=dataclasses.replace(plan, spans=spans))
+    ours = _run(model, x, mode)
+    assert_all_close(ours[0], plain[0])
+    assert_all_close(ours[1], plain[1], atol=1e-5)
+    assert_all_close(ours[2], plain[2], atol=1e-5)
+
+
+def test_unfreezing_plans_anew(monkeypatch):
+    made = []
+    original = _graph_runner.plan_graph
+
+    def counting(graph, inputs, budget, *, mode, **kwargs):
+        made.append(backprop_calls(graph, mode))
+        return original(graph, inputs, budget, mode=mode, **kwargs)
+
+    monkeypatch.setattr(_graph_runner, "plan_graph", counting)
+    keras.utils.set_random_seed(0)
+    model = partly_frozen()
+    x = tf.random.stateless_normal([4, 8, 8, 3], [0, 1])
+    tc.apply_checkpointing(model, budget="min")
+
+    def train_step():
+        @tf.function
+        def step(x):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(model(x, training=True) ** 2)
+            return tape.gradient(loss, model.trainable_variables)
+        return step
+
+    train_step()(x)
+    for layer in model.layers:  # fine-tuning's second phase: the whole model trains
+        layer.trainable = True
+    train_step()(x)
+    assert len(made) == 2 and not all(made[0]) and all(made[1])
+
+
+FROZEN = STEP + """
+from test_whole_model_frozen import partly_frozen
+
+x = tf.random.normal([16, 32, 32, 3])
+
+def measured(plan):
+    keras.utils.set_random_seed(0)
+    model = partly_frozen(frozen_blocks=4, blocks=6, width=64, image=32)
+    model(x)
+    if plan == "plan":
+        least = tc.plan_model(model, x, budget="min", mode="graph")
+        half = (least.min_budget_bytes + least.plain_peak_bytes) // 2
+        plan = tc.plan_model(model, x, budget=half, mode="graph")
+        tc.apply_checkpointing(model, plan=plan)
+    step = make_step(model)
+    step(x)
+    return sorted(tc.peak_memory(lambda: step(x).numpy()) for _ in range(3)), plan
+
+plain, _ = measured(None)
+peaks, plan = measured("plan")
+print("RESULT", json.dumps({"plain": plain[1], "planned_plain": plan.plain_peak_bytes,
+                            "budget": plan.budget_bytes, "largest": peaks[-1],
+                            "predicted": plan.predicted_peak_bytes, "median": peaks[1],
+                            "regions": len(plan.spans)}))
+"""
+
+
+@pytest.mark.slow
+def test_a_frozen_backbone_is_planned_as_the_step_runs():
+    r = json.loads(run_script(FROZEN).split("RESULT", 1)[1])
+    message = json.dumps({k: round(v / 2**20, 2) if k != "regions" else v
+                          for k, v in r.items()})
+    # Before: the frozen blocks' tensors were counted as kept, and the plain step
+    # was measured with its input watched: 99.6 MiB against 43 measured, the
+    # prediction 57 against 34. (The plain step's peak itself moves by 38-43 MiB
+    # between runs, and the planner's reading of it is 1.08x on this model with
+    # no frozen layer.)
+    assert abs(r["planned_plain"] / r["plain"] - 1) <= 0.20, message
+    assert r["regions"] > 0 and r["largest"] <= 1.05 * r["budget"], message
+    assert abs(r["predicted"] / r["median"] - 1) <= 0.15, message

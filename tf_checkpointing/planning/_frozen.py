@@ -1,0 +1,93 @@
+"""Layer calls that no gradient reaches: a frozen backbone's.
+
+``Model.fit``'s tape (and a usual custom step's) differentiates the trainable
+variables, not the model's inputs. A call with no trainable weights that reads
+only the model's inputs or other such calls (a backbone set ``trainable =
+False`` under a trainable head, a ``Rescaling`` before the first convolution)
+is on no path to them: a ``tf.function`` step's backward graph, built for
+those variables only, does not read what it made, so it keeps nothing for the
+backward, runs no backward, and a region around it recomputes nothing. (An
+eager step is different: its tape records every op that reads a watched
+variable, and Keras' frozen variables are still trainable for TensorFlow, so
+it keeps a frozen backbone's tensors: MobileNetV2 at 96x96, batch 16, 334 MiB
+frozen against 439 MiB trained. Eager plans count every call as reached.)
+
+Each call's profile reading is taken with its inputs watched (a reading does
+not depend on the plan), so it describes such a call as backprop would run
+it. Before :func:`without_backward`, a MobileNetV2 backbone frozen under a
+trainable head (96x96, batch 16, ``tf.function``) was modelled at 189 MiB
+plain against 32 MiB measured: the planner checkpointed 15 regions and refused
+every budget below 57 MiB; with its first 100 layers frozen, the least plan
+measured 41 MiB against plain's 37.
+
+The model's inputs are taken as not differentiated: a custom step that
+watches them (``tape.watch(x)``) and asks for their gradient runs the frozen
+calls' backward too, and keeps more than planned.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from tf_checkpointing.planning._graph import LayerGraph
+from tf_checkpointing.planning._lifetimes import GraphCosts
+
+__all__: list[str] = []
+
+
+def backprop_calls(graph: LayerGraph, mode: str = "graph") -> tuple[bool, ...]:
+    """Per call, whether the backward of a ``mode`` step reaches it: it has
+    trainable weights or reads a tensor made by a call that backprop reaches
+    (never a model input); in an eager step every call (see the module).
+
+    Example:
+        >>> import keras
+        >>> from tf_checkpointing.planning._graph import read_graph
+        >>> x = keras.Input((4,))
+        >>> frozen = keras.layers.Dense(4, trainable=False)
+        >>> h = keras.layers.Dense(4)(keras.layers.ReLU()(frozen(x)))
+        >>> backprop_calls(read_graph(keras.Model(x, h), "example"))
+        (False, False, True)
+    """
+    if mode == "eager":
+        return (True,) * len(graph.calls)
+    made = graph.producers()
+    reached: list[bool] = []
+    for call in graph.calls:
+        trainable = bool(getattr(call.layer, "trainable_weights", ()))
+        reached.append(trainable or any(made[k] >= 0 and reached[made[k]]
+                                        for k in call.in_keys))
+    return tuple(reached)
+
+
+def without_backward(costs: GraphCosts, reached: tuple[bool, ...]) -> GraphCosts:
+    """``costs`` with the calls backprop does not reach run as they do: each
+    keeps only its outputs (until their last reader, or a later backward that
+    reads them), peaks as its untaped forward, runs no backward and makes no
+    gradients, and no gradient flows through the tensors it makes (nor through
+    the model's inputs) at any cut."""
+    outside = ~np.array(reached, bool)
+    if not outside.any():
+        return costs
+    n = costs.n
+    made_by = costs.producer
+    out_bytes = np.zeros(n)
+    np.add.at(out_bytes, made_by[made_by >= 0], costs.size[made_by >= 0])
+    # Gradient bytes at each cut of the tensors no gradient flows through.
+    no_grad = np.zeros(n + 1)
+    for size, p, last, floating in zip(costs.size, made_by, costs.last, costs.floating):
+        if floating and (p < 0 or outside[p]):
+            no_grad[p + 1:last + 1] += size
+    savers = None if costs.savers is None else [
+        [s for s in saving if s >= n or not outside[s]] for saving in costs.savers]
+    zero = lambda values: np.where(outside, 0.0, values)  # noqa: E731
+    return dataclasses.replace(
+        costs,
+        kept=np.where(outside, out_bytes, costs.kept),
+        fwd=np.where(outside, costs.fwd0, costs.fwd),
+        bwd=zero(costs.bwd), wgrad=zero(costs.wgrad),
+        own_wgrad=None if costs.own_wgrad is None else zero(costs.own_wgrad),
+        dx=np.maximum(costs.dx - no_grad, 0.0),
+        savers=savers)
