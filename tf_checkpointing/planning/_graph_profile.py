@@ -14,6 +14,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, Optional
 
+import keras
 import tensorflow as tf
 
 from tf_checkpointing._recompute import is_differentiable
@@ -124,21 +125,21 @@ def _graph_layer(call, x, device, name) -> tuple[LayerProfile, int, int]:
 
 
 def graph_plain_peak(calls, x, device, jit_compile: bool = False,
-                     applied: bool = False, trainable: Optional[Sequence[Any]] = None,
-                     compiled: bool = True) -> int:
+                     applied: bool = False,
+                     trainable: Optional[Sequence[Any]] = None) -> int:
     """Peak of the chain's plain forward and backward as one ``tf.function``
-    (with ``applied``: each gradient consumed at once, as by an optimizer;
-    without ``compiled``: run eagerly). The gradients are of the inputs and every
-    variable the tape watched, or, given ``trainable``, of those variables only,
-    as ``Model.fit`` asks for them: a graph then keeps nothing for the calls of
-    a frozen backbone (whose variables the tape still watches)."""
+    (with ``applied``: each gradient consumed at once, as by an optimizer). The
+    gradients are of the inputs and every variable the tape watched, or, given
+    ``trainable``, of those variables only, as ``Model.fit`` asks for them: a
+    graph then keeps nothing for the calls of a frozen backbone (whose
+    variables the tape still watches)."""
 
     def chain(x: Any) -> list[Any]:
         tape, y = taped(lambda x: run_all(calls, x), x, watch=trainable is None)
         grads = _backprop(tape, x, y, trainable)
         return [tf.reduce_sum(g) for g in grads] if applied else grads
 
-    step = tf.function(chain, autograph=False, jit_compile=jit_compile) if compiled else chain
+    step = tf.function(chain, autograph=False, jit_compile=jit_compile)
     sync(step(x))  # trace and warm up
     allocator = Allocator(device)
     start = allocator.mark()
@@ -153,10 +154,27 @@ def _backprop(tape: tf.GradientTape, x: Any, y: Any,
     those not connected)."""
     leaves = [t for t in tf.nest.flatten(x) if is_differentiable(t)]
     outputs = [t for t in tf.nest.flatten(y) if is_differentiable(t)]
-    sources = leaves + list(tape.watched_variables()) if trainable is None else list(trainable)
+    watched = list(tape.watched_variables())
+    if trainable is None:
+        sources = leaves + watched
+    else:  # what the tape watched of them (a mirrored variable's local copy)
+        handles = _handles(trainable)
+        sources = [v for v in watched if id(v) in handles]
     return tape.gradient(outputs, sources,
                          output_gradients=[tf.ones_like(t) for t in outputs],
                          unconnected_gradients=tf.UnconnectedGradients.ZERO)
+
+
+def _handles(variables: Sequence[Any]) -> set[int]:
+    """The ids of the TensorFlow variables behind Keras ``variables``: each one's
+    own, and under a distribution strategy each replica's (outside a replica a
+    mirrored variable cannot be differentiated, but the copy the tape watched can)."""
+    out: set[int] = set()
+    for variable in variables:
+        value = variable.value if isinstance(variable, keras.Variable) else variable
+        out.add(id(value))
+        out.update(id(v) for v in getattr(value, "values", ()))
+    return out
 
 
 def _identity(x: Any) -> Any:
