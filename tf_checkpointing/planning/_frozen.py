@@ -44,6 +44,7 @@ def backprop_calls(graph: LayerGraph, mode: str = "graph") -> tuple[bool, ...]:
 
     Example:
         >>> import keras
+        >>> from tf_checkpointing.planning._frozen import backprop_calls
         >>> from tf_checkpointing.planning._graph import read_graph
         >>> x = keras.Input((4,))
         >>> frozen = keras.layers.Dense(4, trainable=False)
