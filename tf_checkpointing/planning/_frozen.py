@@ -28,6 +28,7 @@ calls' backward too, and keeps more than planned.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import numpy as np
 
@@ -92,3 +93,26 @@ def without_backward(costs: GraphCosts, reached: tuple[bool, ...]) -> GraphCosts
         own_wgrad=None if costs.own_wgrad is None else zero(costs.own_wgrad),
         dx=np.maximum(costs.dx - no_grad, 0.0),
         savers=savers)
+
+
+def warn_eager_frozen(graph: LayerGraph, api: str) -> None:
+    """Warns that an eager plan of a model with frozen layers may keep more than
+    predicted: the eager tape holds what the frozen calls made until the whole
+    backward ends, which the model does not describe. MobileNetV2 with its first
+    30 layers frozen (96x96, batch 16): the eager least plan was predicted at 70
+    MiB and measured 149 (plain 388); with every layer trained, 135 and 113."""
+    # Frozen: weights, and trainable=False (a Normalization layer's weights are not
+    # trainable to TensorFlow either, so the tape never watches them).
+    frozen = [call.name for call in graph.calls
+              if getattr(call.layer, "trainable", True) is False
+              and getattr(call.layer, "weights", None)]
+    if not frozen:
+        return
+    shown = ", ".join(frozen[:3]) + (f" and {len(frozen) - 3} more" if len(frozen) > 3 else "")
+    warnings.warn(
+        f"{api}: `{graph.model.name}` has frozen layers ({shown}) and the plan is for an "
+        "eager step, whose tape keeps what frozen layers make until the whole backward "
+        "ends; the planner does not model that, and such a plan measured up to 2.1x its "
+        "predicted peak. Fix: train in a tf.function (Model.fit does by default), where "
+        "frozen layers are planned as they run, or unfreeze the layers.",
+        UserWarning, stacklevel=5)

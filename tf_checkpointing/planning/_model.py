@@ -21,7 +21,11 @@ from tf_checkpointing._seeding import random_state_kept
 from tf_checkpointing.planning._allocator import in_fresh_thread, in_xla_context
 from tf_checkpointing.planning._chain import _expect_budget
 from tf_checkpointing.planning._choices import PolicyChoices, expect_policies
-from tf_checkpointing.planning._frozen import backprop_calls, without_backward
+from tf_checkpointing.planning._frozen import (
+    backprop_calls,
+    warn_eager_frozen,
+    without_backward,
+)
 from tf_checkpointing.planning._graph import (
     LayerGraph,
     last_uses,
@@ -161,6 +165,7 @@ def _plan_graph(graph: LayerGraph, inputs: Any, budget: Optional[int], *, mode: 
     mode = step_mode(mode)
     if mode == "eager":  # a policy keeps nothing in eager mode: no choice
         policies = ()
+        warn_eager_frozen(graph, api)
     profile, costs = _cached_profile(graph, inputs, mode, api)
     if policies:
         choices = _cached_choices(graph, inputs, mode, api, policies)
