@@ -15,6 +15,7 @@ import keras
 import pytest
 import tensorflow as tf
 from helpers import assert_all_close, grads_of
+from test_whole_model import Replays
 from test_whole_model_memory import STEP
 from test_whole_model_memory import _run as run_script
 
@@ -24,8 +25,9 @@ from tf_checkpointing.planning._frozen import backprop_calls
 from tf_checkpointing.planning._graph import read_graph
 
 
-def partly_frozen(frozen_blocks=2, blocks=4, width=8, image=8):
-    """A residual conv net whose stem and first blocks are frozen."""
+def partly_frozen(frozen_blocks=2, blocks=4, width=8, image=8, count=False):
+    """A residual conv net whose stem and first blocks are frozen (with ``count``,
+    each block counts its replays)."""
     x = keras.Input((image, image, 3))
     stem = keras.layers.Conv2D(width, 3, padding="same", name="stem")
     h = stem(x)
@@ -35,6 +37,7 @@ def partly_frozen(frozen_blocks=2, blocks=4, width=8, image=8):
         norm = keras.layers.BatchNormalization(name=f"bn{i}")
         y = keras.layers.Activation("relu", name=f"relu{i}")(norm(conv(h)))
         y = keras.layers.Dropout(0.3, name=f"drop{i}")(y)
+        y = Replays(name=f"count{i}")(y) if count else y
         h = keras.layers.Add(name=f"add{i}")([h, y])
         if i < frozen_blocks:
             frozen += [conv, norm]
@@ -66,7 +69,7 @@ def _run(model, x, mode):
 @pytest.mark.filterwarnings("ignore:plan_model. .functional. has frozen layers")
 def test_regions_over_frozen_layers_equal_plain(mode):
     keras.utils.set_random_seed(0)
-    model = partly_frozen()
+    model = partly_frozen(count=True)
     x = tf.random.stateless_normal([4, 8, 8, 3], [0, 1])
     model(x)
     before = [v.numpy() for v in model.variables]
@@ -85,6 +88,10 @@ def test_regions_over_frozen_layers_equal_plain(mode):
     assert_all_close(ours[0], plain[0])
     assert_all_close(ours[1], plain[1], atol=1e-5)
     assert_all_close(ours[2], plain[2], atol=1e-5)
+    # The regions with trainable calls were replayed (the frozen-only one need not
+    # be: a compiled step's backward does not reach it).
+    counts = {i: model.get_layer(f"count{i}").replays for i in range(4)}
+    assert counts[1] and counts[2] and counts[3], counts
 
 
 def test_unfreezing_plans_anew(monkeypatch):
