@@ -16,6 +16,7 @@ import pytest
 import tensorflow as tf
 from helpers import assert_all_close
 from test_whole_model import residual_net
+from test_whole_model_frozen import partly_frozen
 
 import tf_checkpointing as tc
 from tf_checkpointing import _graph_runner, _sequential_layer
@@ -61,6 +62,21 @@ def test_a_larger_batch_is_planned_anew_and_a_smaller_one_reuses_its_plan(plans_
     step(_batch(8))  # a smaller batch keeps less: the batch-16 plan
     assert len(plans_made) == 2
     assert model.call.plan is model.call.plans.plans("graph")[-1]
+
+
+def test_unfreezing_layers_plans_anew(plans_made):
+    # A compiled step keeps nothing for frozen layers (see test_whole_model_frozen):
+    # a plan made while a backbone is frozen is not within the budget once it trains.
+    keras.utils.set_random_seed(0)
+    model = partly_frozen()
+    tc.apply_checkpointing(model, budget="min")
+    _train_step(model)(_batch(4))
+    for layer in model.layers:  # fine-tuning's second phase: the whole model trains
+        layer.trainable = True
+    _train_step(model)(_batch(4))
+    assert plans_made == [("graph", ((4, 8, 8, 3),))] * 2
+    _train_step(model)(_batch(4))  # the same layers frozen: the same plan
+    assert len(plans_made) == 2
 
 
 def test_an_eager_step_then_fit_plans_for_the_graph(plans_made):

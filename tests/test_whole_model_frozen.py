@@ -20,7 +20,6 @@ from test_whole_model_memory import STEP
 from test_whole_model_memory import _run as run_script
 
 import tf_checkpointing as tc
-from tf_checkpointing import _graph_runner
 from tf_checkpointing.planning._frozen import backprop_calls
 from tf_checkpointing.planning._graph import read_graph
 
@@ -92,35 +91,6 @@ def test_regions_over_frozen_layers_equal_plain(mode):
     # be: a compiled step's backward does not reach it).
     counts = {i: model.get_layer(f"count{i}").replays for i in range(4)}
     assert counts[1] and counts[2] and counts[3], counts
-
-
-def test_unfreezing_plans_anew(monkeypatch):
-    made = []
-    original = _graph_runner.plan_graph
-
-    def counting(graph, inputs, budget, *, mode, **kwargs):
-        made.append(backprop_calls(graph, mode))
-        return original(graph, inputs, budget, mode=mode, **kwargs)
-
-    monkeypatch.setattr(_graph_runner, "plan_graph", counting)
-    keras.utils.set_random_seed(0)
-    model = partly_frozen()
-    x = tf.random.stateless_normal([4, 8, 8, 3], [0, 1])
-    tc.apply_checkpointing(model, budget="min")
-
-    def train_step():
-        @tf.function
-        def step(x):
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_sum(model(x, training=True) ** 2)
-            return tape.gradient(loss, model.trainable_variables)
-        return step
-
-    train_step()(x)
-    for layer in model.layers:  # fine-tuning's second phase: the whole model trains
-        layer.trainable = True
-    train_step()(x)
-    assert len(made) == 2 and not all(made[0]) and all(made[1])
 
 
 FROZEN = STEP + """
