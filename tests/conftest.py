@@ -34,7 +34,7 @@ def _forget_planned_chains():
     memory measurements."""
     yield
     from tf_checkpointing.planning import _chain as _planner
-    from tf_checkpointing.planning import _model as _model_planner
+    from tf_checkpointing.planning import _model_profile as _model_planner
     from tf_checkpointing.planning import _xla
 
     _planner._profiles.clear()

@@ -1,48 +1,37 @@
 """``plan_model``: where the checkpoints of a whole functional model go, for a budget.
 
-The model's layer graph (:mod:`._graph`) is profiled as a chain of states,
-state ``i`` being every tensor alive before call ``i`` (so the allocator
-measures each call exactly as the chain profile measures a layer), and the
-regions are chosen by the program of :mod:`._regions`. This module is the
-glue; the plan type is :class:`~tf_checkpointing.planning._plan.ModelPlan`.
+The model's layer graph (:mod:`._graph`) is profiled as a chain of states
+(:mod:`._model_profile`), and the regions are chosen by the program of
+:mod:`._regions`. This module is the glue: it turns the model's peaks into
+predicted step peaks (the allocator's chunk factor, or XLA's measured anchor),
+picks the plan for the budget, and says what the budget must be at least. The
+plan type is :class:`~tf_checkpointing.planning._plan.ModelPlan`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any, Optional, Union
 
-import numpy as np
 import tensorflow as tf
 
 from tf_checkpointing._seeding import random_state_kept
-from tf_checkpointing.planning._allocator import in_fresh_thread, in_xla_context
+from tf_checkpointing.planning._allocator import in_xla_context
 from tf_checkpointing.planning._chain import _expect_budget
-from tf_checkpointing.planning._choices import PolicyChoices, expect_policies
-from tf_checkpointing.planning._frozen import (
-    backprop_calls,
-    warn_eager_frozen,
-    without_backward,
+from tf_checkpointing.planning._choices import expect_policies
+from tf_checkpointing.planning._frozen import warn_eager_frozen
+from tf_checkpointing.planning._graph import LayerGraph, read_graph
+from tf_checkpointing.planning._graph_choices import policy_arrays
+from tf_checkpointing.planning._model_profile import (
+    cached_choices,
+    cached_profile,
+    calibrated,
+    profile_key,
 )
-from tf_checkpointing.planning._graph import (
-    LayerGraph,
-    last_uses,
-    read_graph,
-    repeated_calls,
-    run_call,
-    tensor_keys,
-)
-from tf_checkpointing.planning._graph_choices import graph_choices, policy_arrays
-from tf_checkpointing.planning._layer_profile import ChainProfile
 from tf_checkpointing.planning._plan import ModelPlan
-from tf_checkpointing.planning._profile import profile_chain
 from tf_checkpointing.planning._region_solver import nested_options, solve
-from tf_checkpointing.planning._regions import GraphCosts, RegionModel
-from tf_checkpointing.planning._saved_tensors import saved_tensors
 from tf_checkpointing.planning._xla import (
-    forget_model_anchor,
     measure_plan,
     model_anchor,
     plan_within,
@@ -64,9 +53,6 @@ _HEADROOM = 0.10
 # 1.33x, and GPT2Backbone's plans at 1.01-1.04x (docs/whole-model.md, Limits).
 _CHUNKS = 1.10
 _MODES = ("auto", "eager", "graph", "xla")
-_CACHE_SIZE = 4
-_profiles: dict[Any, tuple[Any, ChainProfile, GraphCosts]] = {}
-_choices: dict[Any, tuple[Any, PolicyChoices]] = {}
 Budget = Union[int, float, str]
 
 
@@ -166,18 +152,18 @@ def _plan_graph(graph: LayerGraph, inputs: Any, budget: Optional[int], *, mode: 
     if mode == "eager":  # a policy keeps nothing in eager mode: no choice
         policies = ()
         warn_eager_frozen(graph, api)
-    profile, costs = _cached_profile(graph, inputs, mode, api)
+    profile, costs = cached_profile(graph, inputs, mode, api)
     if policies:
-        choices = _cached_choices(graph, inputs, mode, api, policies)
+        choices = cached_choices(graph, inputs, mode, api, policies)
         kept, cost = policy_arrays(choices, costs.kept, costs.cost)
         costs = dataclasses.replace(costs, policy_kept=kept, policy_cost=cost)
-    region_model = _calibrated(costs, profile.plain_peak_bytes)
+    region_model = calibrated(costs, profile.plain_peak_bytes)
     nested = nested_options(region_model)
     least = solve(region_model, None, nested=nested, with_policies=True)
     assert least is not None  # every call alone, checkpointed or not, is a plan
     plain_peak = profile.plain_peak_bytes
     # For XLA, the model's peaks are mapped onto two measured XLA steps (see _xla).
-    key = _profile_key(graph, inputs, mode)
+    key = profile_key(graph, inputs, mode)
     anchor = None if mode != "xla" else model_anchor(
         key, graph, inputs, least[1], model_least=least[0],
         model_plain=region_model.peak(()), plain_bytes=profile.plain_peak_bytes, api=api)
@@ -262,137 +248,3 @@ def step_mode(mode: str) -> str:
     if not tf.inside_function():
         return "eager"
     return "xla" if in_xla_context() else "graph"
-
-
-def _calibrated(costs: GraphCosts, plain_peak: int) -> RegionModel:
-    """The model with the plain calls' bytes scaled (within [0.3, 2]) so that
-    it predicts the measured plain peak: per-call readings of small graphs do
-    not add up to the whole step's, as the chain planner found, and an XLA
-    step's plain peak is XLA's own (see :class:`RegionModel`)."""
-    model = RegionModel(costs)
-    low, high = 0.3, 2.0
-    for _ in range(20):
-        model.rescale_plain((low + high) / 2)
-        if model.peak(()) > plain_peak:
-            high = model.plain_scale
-        else:
-            low = model.plain_scale
-    model.rescale_plain((low + high) / 2)
-    return model
-
-
-def _cached_profile(graph: LayerGraph, inputs: Any, mode: str,
-                    api: str) -> tuple[ChainProfile, GraphCosts]:
-    """The profile, measured once per model, input shapes and mode (the last
-    few are kept, with their models, so that their ids stay theirs)."""
-    key = _profile_key(graph, inputs, mode)
-    if key not in _profiles:
-        _profiles[key] = (graph.model, *_profile(graph, inputs, mode=mode, api=api))
-        forget_model_anchor(key)  # a new profile (the id may be another model's now)
-        while len(_profiles) > _CACHE_SIZE:
-            _profiles.pop(next(iter(_profiles)))
-    return _profiles[key][1], _profiles[key][2]
-
-
-def _cached_choices(graph: LayerGraph, inputs: Any, mode: str, api: str,
-                    policies: tuple[Any, ...]) -> PolicyChoices:
-    """The policies measured on the graph, once per model, input shapes, mode and
-    policies (as the profile)."""
-    key = (*_profile_key(graph, inputs, mode), policies)
-    if key not in _choices:
-        _choices[key] = (graph.model, graph_choices(
-            graph, inputs, policies, repeated_calls(graph), xla=mode == "xla", api=api))
-        while len(_choices) > _CACHE_SIZE:
-            _choices.pop(next(iter(_choices)))
-    return _choices[key][1]
-
-
-def _profile_key(graph: LayerGraph, inputs: Any, mode: str) -> tuple:
-    shapes = tuple((tuple(leaf.shape), str(leaf.dtype)) for leaf in tf.nest.flatten(inputs)
-                   if hasattr(leaf, "shape"))
-    # Which layers are frozen: unfreezing a backbone makes another profile.
-    return (id(graph.model), len(graph.calls), shapes, mode, backprop_calls(graph))
-
-
-def _profile(graph: LayerGraph, inputs: Any, *, mode: str,
-             api: str) -> tuple[ChainProfile, GraphCosts]:
-    """Profiles the graph as a chain of live-tensor states."""
-    keys = tensor_keys(graph)
-    reached = backprop_calls(graph, mode)
-    last = last_uses(graph)
-    made = graph.producers()
-    n = len(graph.calls)
-    alive = [[k for k, end in zip(keys, last) if made[k] < i <= end] for i in range(n + 1)]
-    flat = graph.model_inputs(inputs)
-    position = {k: j for j, k in enumerate(graph.input_keys)}
-    start = tuple(flat[position[k]] for k in alive[0])
-    sizes: dict[Any, tuple[int, bool]] = {}
-    calls = [functools.partial(_step, graph.calls[i], alive[i], alive[i + 1], sizes)
-             for i in range(n)]
-    # The profile puts back the state it changes; under a distribution strategy
-    # (mirrored seed and BatchNorm variables) its recorder misses some, so the
-    # model's non-trainable variables are also saved and put back here.
-    same = repeated_calls(graph)
-    state = [v for v in graph.model.non_trainable_variables]
-    saved = in_fresh_thread(lambda: [v.numpy() for v in state])
-    try:
-        profile = profile_chain(calls, start, names=[c.name for c in graph.calls], api=api,
-                                compiled=mode != "eager", same_as=same,
-                                xla=mode == "xla", applied=mode != "eager",
-                                # A model whose every call backprop reaches is measured
-                                # as it was validated (the input's gradient made too).
-                                trainable=None if all(reached)
-                                else graph.model.trainable_variables)
-    finally:
-        in_fresh_thread(lambda: [v.assign(value) for v, value in zip(state, saved)])
-    readers = graph.consumers()
-    saved = saved_tensors(graph, same)
-    outputs = set(graph.output_keys)
-    # The calls whose backward reads each tensor, in order: its readers that save
-    # it, and its producer if its own backward reads it (a relu's output); n for a
-    # model output (held to the end).
-    savers = [sorted({i for i in readers.get(k, []) if k in saved[i][0]}
-                     | ({made[k]} if made[k] >= 0 and k in saved[made[k]][1] else set())
-                     | ({n} if k in outputs else set())) for k in keys]
-    layers = profile.layers
-    costs = GraphCosts(
-        kept=np.array([p.kept_bytes for p in layers], float),
-        fwd=np.array([p.forward_peak_bytes for p in layers], float),
-        fwd0=np.array([p.untaped_peak_bytes for p in layers], float),
-        bwd=np.array([p.backward_peak_bytes for p in layers], float),
-        # A compiled step applies each weight gradient when it is ready (see
-        # profile_chain); an eager one holds them all until the optimizer runs.
-        wgrad=np.array([0 if mode != "eager" else p.weight_grad_bytes for p in layers],
-                       float),
-        cost=_costs(np.array([p.seconds for p in layers], float)),
-        dx=np.array(profile.boundary_grad_bytes, float),
-        size=np.array([sizes.get(k, (0, False))[0] for k in keys], float),
-        producer=np.array([made[k] for k in keys]),
-        last=np.array(last),
-        readers=[readers.get(k, []) for k in keys],
-        floating=np.array([sizes.get(k, (0, False))[1] for k in keys]),
-        own_wgrad=np.array([0 if mode == "eager" else p.weight_grad_bytes for p in layers],
-                           float),
-        savers=savers)
-    return profile, without_backward(costs, reached)
-
-
-def _costs(seconds: np.ndarray) -> np.ndarray:
-    # A small floor keeps the program from treating a cheap layer as free.
-    return np.maximum(seconds, 0.05 * max(float(seconds.mean()), 1e-9))
-
-
-def _step(call, before, after, sizes, state):
-    env = dict(zip(before, state))
-    for key, value in env.items():
-        _note_size(sizes, key, value)
-    run_call(call, env, {"training": True})
-    for key in call.out_keys:
-        _note_size(sizes, key, env[key])
-    return tuple(env[k] for k in after)
-
-
-def _note_size(sizes: dict, key: Any, value: Any) -> None:
-    if key not in sizes and isinstance(value, tf.Tensor) and value.shape.is_fully_defined():
-        sizes[key] = (value.shape.num_elements() * value.dtype.size,
-                      value.dtype.is_floating)
