@@ -30,6 +30,7 @@ from tf_checkpointing._recompute import checkpointed_call, needs_checkpoint
 from tf_checkpointing.planning._calling import route_keywords, validate_layers
 from tf_checkpointing.planning._chain import _expect_budget, cached_plan
 from tf_checkpointing.planning._choices import expect_policies
+from tf_checkpointing.planning._frozen import tape_reaches
 from tf_checkpointing.planning._plan import Segment, SequentialPlan, even_plan
 
 __all__ = ["CheckpointedSequential", "checkpoint_sequential"]
@@ -114,7 +115,7 @@ def checkpoint_sequential(
         plan = even_plan(len(layers), count)
     else:
         plan = cached_plan(layers, inputs, budget, kwargs, routed, api=_API,
-                           policies=candidates)
+                           policies=candidates, input_grad=tape_reaches(inputs))
     return run_plan(layers, plan, inputs, kwargs, routed, policy=policy)
 
 

@@ -24,6 +24,7 @@ from tf_checkpointing._sequential import (
 )
 from tf_checkpointing.planning._calling import route_keywords, validate_layers
 from tf_checkpointing.planning._chain import _expect_budget, cached_plan
+from tf_checkpointing.planning._frozen import frozen_prefix, tape_reaches
 from tf_checkpointing.planning._model import step_mode
 from tf_checkpointing.planning._plan import SequentialPlan, even_plan
 from tf_checkpointing.planning._reuse import PlansByShape
@@ -139,7 +140,9 @@ class CheckpointedSequential(keras.layers.Layer):
         self.budget = budget
         self.policy = _policies.resolve(_policies.from_config(policy))
         self.plan: Optional[SequentialPlan] = None  # the plan of the last call
-        self._plans: PlansByShape[SequentialPlan] = PlansByShape(api)  # made for `budget`
+        # Plans made for `budget`, per number of leading layers outside backprop
+        # (frozen ones: unfreezing plans anew).
+        self._plans: dict[int, PlansByShape[SequentialPlan]] = {}
         if budget is None:
             self.plan = even_plan(len(layers), expect_segments(segments, len(layers), api))
 
@@ -162,12 +165,16 @@ class CheckpointedSequential(keras.layers.Layer):
         plan = self.plan
         if self.budget is not None:  # the plan for this mode and batch (see _reuse)
             mode = step_mode("auto")
-            plan, plan_anew = self._plans.find(mode, inputs, training=training)
+            input_grad = tape_reaches(inputs)
+            plans = self._plans.setdefault(
+                frozen_prefix(self.layers, input_grad=input_grad, mode=mode),
+                PlansByShape(_LAYER_API))
+            plan, plan_anew = plans.find(mode, inputs, training=training)
             if plan_anew:
                 plan = cached_plan(self.layers, inputs, cast(Union[int, str], self.budget),
                                    kwargs, routed, api=_LAYER_API, mode=mode,
-                                   policies=self.policies)
-                self._plans.add(mode, inputs, plan)
+                                   policies=self.policies, input_grad=input_grad)
+                plans.add(mode, inputs, plan)
             if plan is None:  # inference (evaluate, predict) before any plan
                 return _run_layers(self.layers, routed, 0, len(self.layers), inputs)
             self.plan = plan

@@ -19,7 +19,8 @@ import collections
 import dataclasses
 import functools
 import math
-from typing import Any, Union
+from collections.abc import Sequence
+from typing import Any, Optional, Union
 
 import numpy as np
 import tensorflow as tf
@@ -29,6 +30,7 @@ from tf_checkpointing.planning._allocator import concrete_inputs, in_fresh_threa
 from tf_checkpointing.planning._calling import route_keywords, validate_layers
 from tf_checkpointing.planning._chain_model import predict_peak as predict_peak
 from tf_checkpointing.planning._choices import PolicyChoices, expect_policies, measure_choices
+from tf_checkpointing.planning._frozen import chain_without_backward, frozen_prefix
 from tf_checkpointing.planning._layer_profile import ChainProfile
 from tf_checkpointing.planning._plan import SequentialPlan
 from tf_checkpointing.planning._profile import layer_key, profile_chain
@@ -141,33 +143,42 @@ def plan_sequential(layers: Any, inputs: Any, *, budget: Union[float, str],
 
 def cached_plan(layers: list[Any], inputs: Any, budget: Union[int, str], kwargs: dict[str, Any],
                 routed: list[dict], *, api: str, mode: str = "auto",
-                policies: tuple[Any, ...] = ()) -> SequentialPlan:
+                policies: tuple[Any, ...] = (), input_grad: bool = True) -> SequentialPlan:
     """The plan for ``budget``, profiling the chain only the first time it is
     seen with these input shapes, keywords and mode (the last 16 chains are
     kept). ``mode="auto"`` plans for a graph while a ``tf.function`` is traced.
     ``policies`` (validated) are measured once per chain too, for graphs only.
     Measuring runs the layers; the random state they draw from is put back (see
     ``random_state_kept``), only then: ``checkpoint_sequential(budget=)`` asks
-    for its plan on every call."""
+    for its plan on every call. Unless ``input_grad`` (a tape differentiates
+    ``inputs``), the leading layers without trainable weights are planned as a
+    compiled step runs them: outside backprop (see :func:`frozen_prefix`)."""
     compiled = mode in ("graph", "xla") or (mode == "auto" and tf.inside_function())
     xla = mode == "xla" or (mode == "auto" and in_xla_context())
     signature = tuple((tuple(leaf.shape), leaf.dtype.name) if hasattr(leaf, "dtype")
                       else _hashable(leaf) for leaf in tf.nest.flatten(inputs))
+    frozen = frozen_prefix(layers, input_grad=input_grad,
+                           mode="eager" if not compiled else "graph")
     key = (tuple(id(layer) for layer in layers), signature,
-           tuple(sorted((k, _hashable(v)) for k, v in kwargs.items())), compiled, xla)
+           tuple(sorted((k, _hashable(v)) for k, v in kwargs.items())), compiled, xla, frozen)
     entry = _profiles.get(key)
     if entry is None:
         calls = [functools.partial(_call, layer, kw) for layer, kw in zip(layers, routed)]
         names = [getattr(layer, "name", None) or getattr(layer, "__name__", None)
                  or type(layer).__name__ for layer in layers]
+        # The plain step differentiates what a compiled step would: the trainable
+        # variables, not the input (and so nothing of a frozen prefix).
+        trainable = None if not frozen else _variables(layers[frozen:])
         # Identical layers on equal shapes (a transformer's blocks) share one
         # graph profile: the decoder of the benchmarks plans in 1/3 of the time.
         with random_state_kept():
             profile = profile_chain(calls, inputs, names=names, api=api, compiled=compiled,
                                     xla=xla, layer_keys=[layer_key(layer, kw) for layer, kw
-                                                         in zip(layers, routed)])
+                                                         in zip(layers, routed)],
+                                    trainable=trainable)
+            profile = chain_without_backward(profile, frozen)
             if xla:
-                profile = _anchored(profile, layers, inputs, kwargs, routed, api)
+                profile = _anchored(profile, layers, inputs, kwargs, routed, api, trainable)
         # The layers are kept alive with the entry, so their ids stay theirs.
         entry = _profiles[key] = (list(layers), profile, {}, {})
         if len(_profiles) > _CACHE_SIZE:
@@ -188,7 +199,8 @@ def cached_plan(layers: list[Any], inputs: Any, budget: Union[int, str], kwargs:
 
 
 def _anchored(profile: ChainProfile, layers: list[Any], inputs: Any, kwargs: dict[str, Any],
-              routed: list[dict], api: str) -> ChainProfile:
+              routed: list[dict], api: str,
+              trainable: Optional[list[Any]] = None) -> ChainProfile:
     """The XLA profile with its least plan compiled and measured (see ``_xla``)."""
     from tf_checkpointing._sequential import run_plan  # noqa: PLC0415 (imports this module)
 
@@ -197,11 +209,20 @@ def _anchored(profile: ChainProfile, layers: list[Any], inputs: Any, kwargs: dic
     # former, and the measured step advanced it (another mask in every later step).
     state = [v for layer in layers for v in getattr(layer, "non_trainable_variables", ())]
     least_bytes = measure_xla_step(lambda x: run_plan(layers, least, x, kwargs, routed),
-                                   inputs, api, state)
+                                   inputs, api, state, trainable=trainable)
     model_least = least.predicted_peak_bytes or 0
     anchor = XlaAnchor(model_least=model_least, model_plain=profile.plain_peak_bytes,
                        least_bytes=least_bytes, plain_bytes=profile.plain_peak_bytes)
     return dataclasses.replace(profile, xla_anchor=anchor)
+
+
+def _variables(layers: Sequence[Any]) -> list[Any]:
+    """The trainable variables of ``layers``, each once."""
+    seen: dict[int, Any] = {}
+    for layer in layers:
+        for variable in getattr(layer, "trainable_variables", ()):
+            seen.setdefault(id(variable), variable)
+    return list(seen.values())
 
 
 def _call(layer: Any, kw: dict, x: Any) -> Any:

@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 
 __all__ = ["Chain", "fitted_chain", "predict_peak", "peak", "extra_seconds"]
 
+_NEVER = 1e15  # bytes no segment's forward fits in
+
 
 class Chain:
     """The profile as arrays, in bytes (and seconds for ``cost``).
@@ -80,6 +82,9 @@ class Chain:
             for k in range(s, n):
                 running = max(running, (self.x[k] if k > s else 0.0) + self.fwd0[k])
                 self.untaped[s, k + 1] = running
+        # No checkpointed segment starts among the layers no gradient reaches: a
+        # finite "never fits" (the programs round bytes to integer units).
+        self.untaped[:profile.frozen_prefix] = _NEVER
 
     def weight_grads(self, s: Any, t: int) -> Any:
         return self.w_prefix[t] - self.w_prefix[s]

@@ -137,7 +137,10 @@ def graph_plain_peak(calls, x, device, jit_compile: bool = False,
     def chain(x: Any) -> list[Any]:
         tape, y = taped(lambda x: run_all(calls, x), x, watch=trainable is None)
         grads = _backprop(tape, x, y, trainable)
-        return [tf.reduce_sum(g) for g in grads] if applied else grads
+        # The outputs' sums, as a loss reads them: with nothing to differentiate
+        # (every layer frozen) the forward still runs, and is measured.
+        losses = [tf.reduce_sum(t) for t in tf.nest.flatten(y) if is_differentiable(t)]
+        return ([tf.reduce_sum(g) for g in grads] if applied else grads) + losses
 
     step = tf.function(chain, autograph=False, jit_compile=jit_compile)
     sync(step(x))  # trace and warm up

@@ -71,6 +71,9 @@ class ChainProfile:
         xla_anchor: for ``xla``, the least-memory plan's XLA step measured too
             (an :class:`~tf_checkpointing.planning._xla.XlaAnchor`): the
             planner maps its peaks onto the two measured XLA steps.
+        frozen_prefix: how many leading layers no gradient reaches (see
+            :func:`~tf_checkpointing.planning._frozen.chain_without_backward`):
+            they run plainly in every plan.
     """
 
     layers: tuple[LayerProfile, ...]
@@ -81,6 +84,7 @@ class ChainProfile:
     compiled: bool = False
     xla: bool = False
     xla_anchor: Any = None
+    frozen_prefix: int = 0
 
 
 def taped(call: Callable[[Any], Any], x: Any,
