@@ -2,6 +2,7 @@
 demands it, fits its budget on real layers, and recomputes nothing at a large budget."""
 
 import dataclasses
+import logging
 import itertools
 
 import keras
@@ -357,3 +358,21 @@ def test_identical_layers_share_one_graph_profile(monkeypatch):
     profiled = plan.profile.layers
     assert [p.name for p in profiled] == [layer.name for layer in layers]
     assert len({(p.kept_bytes, p.backward_peak_bytes) for p in profiled[:5]}) == 1
+
+
+def test_planning_does_not_warn_of_retracing():
+    # The planner traces a new plain step per profile on purpose; TensorFlow
+    # counted them as one function's retraces and warned "5 out of the last 9 calls
+    # to <function graph_plain_peak.<locals>.chain> triggered tf.function retracing".
+    layers = [keras.layers.Dense(8, activation="relu") for _ in range(3)]
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = tf.get_logger()
+    logger.addHandler(handler)
+    try:
+        for batch in range(2, 10):  # a new profile, and plain step, per batch size
+            plan_sequential(layers, tf.ones([batch, 8]), budget="min", mode="graph")
+    finally:
+        logger.removeHandler(handler)
+    assert not [r.getMessage() for r in records if "retracing" in r.getMessage()]

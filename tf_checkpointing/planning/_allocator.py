@@ -26,6 +26,19 @@ __all__: list[str] = []
 _BFC_ENV_VAR = "TF_CPU_ALLOCATOR_USE_BFC"
 
 
+def planning_function(fn: Callable[..., Any], **options: Any) -> Any:
+    """``tf.function(fn, autograph=False, **options)`` for a measurement.
+
+    The planner traces a new function per layer, plan and model on purpose;
+    TensorFlow would count the traces of closures sharing one code object and
+    warn that "5 out of the last 9 calls to <function graph_plain_peak.<locals>
+    .chain> triggered tf.function retracing", which reads as the user's fault.
+    """
+    function = tf.function(fn, autograph=False, **options)
+    function._omit_frequent_tracing_warning = True  # noqa: SLF001 - its own switch
+    return function
+
+
 class Allocator:
     """Reads one device's allocator: levels relative to the last ``mark``."""
 

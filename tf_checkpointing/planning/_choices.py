@@ -35,6 +35,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_checkpointing import policies as _policies
+from tf_checkpointing.planning._allocator import planning_function
 from tf_checkpointing.planning._profile import layer_key
 
 __all__ = ["PolicyChoices", "expect_policies", "measure_choices"]
@@ -216,7 +217,6 @@ def step_extra_seconds(calls: dict[Any, Callable[[Any], Any]], x: Any, variables
     the same round (each round runs every call once, in a rotating order): a
     difference taken within a round cancels most of a shared machine's drift."""
     def step_of(call: Callable[[Any], Any]) -> Callable[[Any], Any]:
-        @tf.function(jit_compile=xla or None, autograph=False)
         def step(x: Any) -> Any:
             sources = [t for t in tf.nest.flatten(x) if t.dtype.is_floating]
             with tf.GradientTape() as tape:
@@ -228,7 +228,7 @@ def step_extra_seconds(calls: dict[Any, Callable[[Any], Any]], x: Any, variables
                 loss = tf.add_n([tf.reduce_sum(tf.square(y)) for y in outputs])
             return tape.gradient(loss, sources + variables)
 
-        return step
+        return planning_function(step, jit_compile=xla or None)
 
     steps = {name: step_of(call) for name, call in calls.items()}
     for step in steps.values():

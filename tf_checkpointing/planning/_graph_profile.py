@@ -18,7 +18,13 @@ import keras
 import tensorflow as tf
 
 from tf_checkpointing._recompute import is_differentiable
-from tf_checkpointing.planning._allocator import Allocator, median, nbytes, sync
+from tf_checkpointing.planning._allocator import (
+    Allocator,
+    median,
+    nbytes,
+    planning_function,
+    sync,
+)
 from tf_checkpointing.planning._layer_profile import (
     ChainProfile,
     LayerProfile,
@@ -35,14 +41,14 @@ _GRAPH_RUNS = 5  # runs of each layer's graph; the profile keeps the median read
 def graph_profile(calls, x, device, names, same_as, applied=False,
                   trainable=None) -> ChainProfile:
     """The profile of a ``tf.function`` training step (see :func:`profile_chain`)."""
-    graphs = [tf.function(call, autograph=False) if same_as[i] == i else call
+    graphs = [planning_function(call) if same_as[i] == i else call
               for i, call in enumerate(calls)]
     y = x
     for graph in graphs:  # trace them before any reading
         y = graph(y)
     # A replay runs inside the step's graph: it does not pay the launch of a
     # function per layer, which timing each layer's graph alone includes.
-    identity = tf.function(_identity, autograph=False)
+    identity = planning_function(_identity)
     sync(identity(x))  # traced
     launch = forward_seconds(identity, x)
     untaped, seconds, sizes = untaped_pass(graphs, x, device, call_overhead=launch)
@@ -102,7 +108,7 @@ def _graph_layer(call, x, device, name) -> tuple[LayerProfile, int, int]:
                               unconnected_gradients=tf.UnconnectedGradients.ZERO)
         return grads[:len(leaves)], grads[len(leaves):]
 
-    graph = tf.function(step, autograph=False)
+    graph = planning_function(step)
     sync(graph(x))  # trace and warm up
     outputs = [t for t in tf.nest.flatten(call(x)) if is_differentiable(t)]
     kept, forward, total = [], [], []
@@ -142,7 +148,7 @@ def graph_plain_peak(calls, x, device, jit_compile: bool = False,
         losses = [tf.reduce_sum(t) for t in tf.nest.flatten(y) if is_differentiable(t)]
         return ([tf.reduce_sum(g) for g in grads] if applied else grads) + losses
 
-    step = tf.function(chain, autograph=False, jit_compile=jit_compile)
+    step = planning_function(chain, jit_compile=jit_compile)
     sync(step(x))  # trace and warm up
     allocator = Allocator(device)
     start = allocator.mark()
