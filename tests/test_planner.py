@@ -2,8 +2,8 @@
 demands it, fits its budget on real layers, and recomputes nothing at a large budget."""
 
 import dataclasses
-import logging
 import itertools
+import logging
 
 import keras
 import numpy as np

@@ -257,6 +257,33 @@ def test_plan_for_another_model_is_refused():
         tc.apply_checkpointing(residual_net(), plan=plan)
 
 
+def test_a_plan_runs_another_instance_of_the_same_architecture():
+    # Keras numbers a second instance's layers on (conv2d_7 for conv2d): the names
+    # differ, the graph is the same, and a region is positions in it.
+    x = tf.random.stateless_normal([2, 16, 16, 2], [0, 1])
+    keras.utils.set_random_seed(0)
+    first = unet()
+    plan = tc.plan_model(first, x, budget="min", mode="graph")
+    keras.utils.set_random_seed(0)
+    second = unet()
+    second.set_weights(first.get_weights())
+    assert plan.spans and [c for c in plan.call_names if c not in
+                           {layer.name for layer in second.layers}]
+    tc.apply_checkpointing(second, plan=plan)
+    expected = grads_of(lambda x: first(x, training=True), [x], first.trainable_variables,
+                        "function")
+    got = grads_of(lambda x: second(x, training=True), [x], second.trainable_variables,
+                   "function")
+    assert_all_close(got, expected, atol=1e-5)
+    # Same number of calls, another architecture: refused.
+    def chain(width):
+        x = keras.Input((4,))
+        return keras.Model(x, keras.layers.Dense(1)(keras.layers.Dense(width)(x)))
+    plan = tc.plan_model(chain(4), tf.ones([2, 4]), budget="min", mode="graph")
+    with pytest.raises(ValueError, match="made for another model.*2 with other names"):
+        tc.apply_checkpointing(chain(5), plan=plan)
+
+
 def test_costly_selection_warns_and_names_the_budget():
     model = residual_net(count=False)
     with pytest.warns(UserWarning, match=r"predicted to keep 1\.\d+x.*budget='min'"):

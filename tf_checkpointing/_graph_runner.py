@@ -247,11 +247,15 @@ def install(model: Any, *, plan: Optional[ModelPlan] = None, budget: Optional[in
     graph = read_graph(model, _API)
     if plan is not None:
         names = tuple(call.name for call in graph.calls)
-        if names != plan.call_names:
+        # Another instance of the same architecture (its layers numbered on by
+        # Keras) runs the plan too: regions are positions in the same graph.
+        if names != plan.call_names and not (plan.call_kinds
+                                             and plan.call_kinds == graph.kinds()):
             raise ValueError(
                 f"{_API}: argument `plan` was made for another model: it has "
                 f"{len(plan.call_names)} layer calls, `{model.name}` has {len(names)}"
-                f"{'' if len(names) != len(plan.call_names) else ' with other names'}. "
+                f"{'' if len(names) != len(plan.call_names) else ' with other names'}"
+                f"{'' if not plan.call_kinds else ' and other layers or connections'}. "
                 "Make the plan with plan_model(model, inputs, budget=...) on this model."
             )
     current = vars(model).get("call")

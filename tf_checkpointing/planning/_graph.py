@@ -29,6 +29,7 @@ from tf_checkpointing.planning._nested_inputs import (
     as_fed,
     converted_alike,
 )
+from tf_checkpointing.planning._profile import layer_key
 
 __all__: list[str] = []
 
@@ -101,6 +102,17 @@ class LayerGraph:
             for key in call.out_keys:
                 made[key] = i
         return made
+
+    def kinds(self) -> tuple[str, ...]:
+        """Per call, what it computes whatever the layers are named: its layer's
+        class and configuration (but the name), and the calls (or model inputs,
+        by position) whose outputs it reads, by position."""
+        made = self.producers()
+        made.update({key: -1 - i for i, key in enumerate(self.input_keys)})
+        outputs = {key: j for call in self.calls for j, key in enumerate(call.out_keys)}
+        return tuple(repr((layer_key(call.layer, dict(call.defaults)),
+                           [(made.get(k), outputs.get(k, 0)) for k in call.arg_keys]))
+                     for call in self.calls)
 
 
 def functional_of(model: Any) -> Any:

@@ -179,7 +179,8 @@ def _plan_graph(graph: LayerGraph, inputs: Any, budget: Optional[int], *, mode: 
     least_spans, least_chosen = (least[1], least[2]) if helps else ((), ())
     min_peak = int(math.ceil(predict(least[0]) / (1 - _HEADROOM)))
     names = tuple(call.name for call in graph.calls)
-    plan = ModelPlan(call_names=names, spans=(), mode=mode, budget_bytes=budget,
+    plan = ModelPlan(call_names=names, call_kinds=graph.kinds(), spans=(), mode=mode,
+                     budget_bytes=budget,
                      predicted_peak_bytes=int(predict(region_model.peak(()), False)),
                      plain_peak_bytes=plain_peak, min_budget_bytes=min(min_peak, plain_peak),
                      policies=policies, predicted_extra_seconds=0.0)

@@ -186,6 +186,10 @@ class ModelPlan:
             planner's time model predicts it (each call's forward time; under a
             policy, scaled by the measured ratio of its replay time to a full
             replay's).
+        call_kinds: per call, its layer's class and configuration (but the name)
+            and the calls it reads: another instance of the same architecture,
+            whose layers Keras numbered differently (``conv2d_54`` for
+            ``conv2d_1``), takes the plan too.
 
     Example (``TF_CPU_ALLOCATOR_USE_BFC=true`` set before TensorFlow is imported):
         >>> import keras, tensorflow as tf
@@ -214,6 +218,7 @@ class ModelPlan:
     region_policies: tuple[Any, ...] = ()
     policies: tuple[Any, ...] = ()
     predicted_extra_seconds: Optional[float] = None
+    call_kinds: tuple[str, ...] = dataclasses.field(default=(), repr=False)
 
     def policy_of(self, k: int) -> Any:
         """The save policy of span ``k`` (None: a full replay)."""
