@@ -382,7 +382,7 @@ def main() -> None:
             rows.extend(json.loads(done.stdout.strip().splitlines()[-1]))
     from benchmarks.whole_model_report import write  # noqa: PLC0415
 
-    write(rows, _cli.output_dir(args) / "whole_model")
+    write(rows, _cli.output_dir(args) / "whole_model", parallel=args.parallel)
 
 
 if __name__ == "__main__":
