@@ -20,6 +20,7 @@ from test_whole_model_memory import STEP
 from test_whole_model_memory import _run as run_script
 
 import tf_checkpointing as tc
+from tf_checkpointing.planning import _chain
 from tf_checkpointing.planning._frozen import frozen_prefix
 
 
@@ -64,6 +65,28 @@ def test_frozen_prefix_is_the_leading_layers_without_trainable_weights():
     assert frozen_prefix(layers, input_grad=False, mode="eager") == 0  # the tape keeps all
     # A function may read variables the planner cannot see: it counts as reached.
     assert frozen_prefix([tf.nn.relu] + layers, input_grad=False, mode="graph") == 0
+
+
+def test_fresh_layers_are_planned_as_trained():
+    # Layers not built yet have no weights to show: they were taken as frozen, and
+    # checkpoint_sequential(budget=) on fresh layers in a tf.function ran all plainly.
+    layers = [keras.layers.Dense(64, activation="relu") for _ in range(6)]
+    assert frozen_prefix(layers, input_grad=False, mode="graph") == 0
+    x = tf.random.stateless_normal([256, 64], [0, 1])
+    variables = []
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            y = tc.checkpoint_sequential(layers, x, budget="min")
+            loss = tf.reduce_sum(y ** 2)
+        variables[:] = [v for layer in layers for v in layer.trainable_variables]
+        return tape.gradient(loss, variables)
+
+    step(x)
+    (_, profile, _, plans), = _chain._profiles.values()  # the plan of the call
+    (plan,) = plans.values()
+    assert profile.frozen_prefix == 0 and any(p.checkpointed for p in plan.pieces), str(plan)
 
 
 def test_frozen_prefix_runs_plainly_and_gradients_equal_plain(mode):

@@ -30,8 +30,7 @@ gradient reaches, when no tape differentiates the chain's input (read from the
 tapes at the call), and :func:`chain_without_backward` gives them their real
 costs. With 4 of 8 convolution blocks frozen (64x64x32, batch 16, ``Model.fit``
 style step), plain measured 152 MiB; the chain planner read it as 272 MiB, and
-its least plan replayed the frozen blocks too (16 extra layer forwards, against
-8 for the trained half alone).
+its least plan replayed the frozen blocks too (16 extra layer forwards; 4 now).
 """
 
 from __future__ import annotations
@@ -137,7 +136,8 @@ def frozen_prefix(layers: Sequence[Any], *, input_grad: bool, mode: str) -> int:
     does not reach: none in an eager step or when ``input_grad`` (a tape
     differentiates the chain's input), else those before the first layer with
     trainable weights. A callable that is not a Keras layer may read variables
-    the planner cannot see, so it counts as reached.
+    the planner cannot see, and a layer not built yet has no weights to show
+    (``checkpoint_sequential`` on fresh layers): either counts as reached.
 
     Example:
         >>> import keras
@@ -156,7 +156,7 @@ def frozen_prefix(layers: Sequence[Any], *, input_grad: bool, mode: str) -> int:
     count = 0
     for layer in layers:
         weights = getattr(layer, "trainable_weights", None)
-        if weights is None or weights:
+        if weights is None or weights or not getattr(layer, "built", True):
             break
         count += 1
     return count
