@@ -30,7 +30,11 @@ from tf_checkpointing.planning._allocator import concrete_inputs, in_fresh_threa
 from tf_checkpointing.planning._calling import route_keywords, validate_layers
 from tf_checkpointing.planning._chain_model import predict_peak as predict_peak
 from tf_checkpointing.planning._choices import PolicyChoices, expect_policies, measure_choices
-from tf_checkpointing.planning._frozen import chain_without_backward, frozen_prefix
+from tf_checkpointing.planning._frozen import (
+    chain_without_backward,
+    frozen_prefix,
+    trained_variables,
+)
 from tf_checkpointing.planning._layer_profile import ChainProfile
 from tf_checkpointing.planning._plan import SequentialPlan
 from tf_checkpointing.planning._profile import layer_key, profile_chain
@@ -220,7 +224,7 @@ def _variables(layers: Sequence[Any]) -> list[Any]:
     """The trainable variables of ``layers``, each once."""
     seen: dict[int, Any] = {}
     for layer in layers:
-        for variable in getattr(layer, "trainable_variables", ()):
+        for variable in trained_variables(layer) or ():
             seen.setdefault(id(variable), variable)
     return list(seen.values())
 

@@ -71,7 +71,7 @@ def backprop_calls(graph: LayerGraph, mode: str = "graph") -> tuple[bool, ...]:
     made = graph.producers()
     reached: list[bool] = []
     for call in graph.calls:
-        trainable = bool(getattr(call.layer, "trainable_weights", ()))
+        trainable = bool(trained_variables(call.layer))
         reached.append(trainable or any(made[k] >= 0 and reached[made[k]]
                                         for k in call.in_keys))
     return tuple(reached)
@@ -108,6 +108,22 @@ def without_backward(costs: GraphCosts, reached: tuple[bool, ...]) -> GraphCosts
         savers=savers)
 
 
+def trained_variables(layer: Any) -> Any:
+    """The variables of ``layer`` (and its sublayers) that training updates,
+    read from each variable's own flag, as ``model.trainable_variables`` (what
+    ``Model.fit`` trains) reads them; None for a callable that is not a layer.
+
+    Not ``layer.trainable_weights``: that is empty for a layer set ``trainable =
+    False`` before it was built, while the sublayers it creates in ``build``
+    stay trainable and are trained (a keras_hub ``TransformerEncoder`` frozen so:
+    its 16 variables trained, its ``trainable_weights`` empty).
+    """
+    weights = getattr(layer, "weights", None)
+    if weights is None:
+        return None
+    return [v for v in weights if getattr(v, "trainable", False)]
+
+
 def warn_eager_frozen(graph: LayerGraph, api: str) -> None:
     """Warns that an eager plan of a model with frozen layers may keep more than
     predicted: the eager tape holds what the frozen calls made until the whole
@@ -118,7 +134,7 @@ def warn_eager_frozen(graph: LayerGraph, api: str) -> None:
     # trainable to TensorFlow either, so the tape never watches them).
     frozen = [call.name for call in graph.calls
               if getattr(call.layer, "trainable", True) is False
-              and getattr(call.layer, "weights", None)]
+              and getattr(call.layer, "weights", None) and not trained_variables(call.layer)]
     if not frozen:
         return
     shown = ", ".join(frozen[:3]) + (f" and {len(frozen) - 3} more" if len(frozen) > 3 else "")
@@ -155,7 +171,7 @@ def frozen_prefix(layers: Sequence[Any], *, input_grad: bool, mode: str) -> int:
         return 0
     count = 0
     for layer in layers:
-        weights = getattr(layer, "trainable_weights", None)
+        weights = trained_variables(layer)
         if weights is None or weights or not getattr(layer, "built", True):
             break
         count += 1
