@@ -6,6 +6,8 @@ is still held while the region replays (the executor computes that call's
 input gradient before its weight gradients), so the model counts it there.
 """
 
+import dataclasses
+
 import numpy as np
 
 from tf_checkpointing.planning._region_solver import solve
@@ -131,3 +133,22 @@ def test_a_region_input_is_counted_twice_only_when_original_and_copy_both_live()
     both = RegionModel(_block_costs([[0], [0, 1, 3], [2], [], [], [5]]))
     assert both.double[1, 4] == 10.0
     assert both.need(1, 4, True) >= copied_only.need(1, 4, True) + 10.0 - 1e-9
+
+
+def test_a_replay_counts_a_backward_that_allocates_after_its_output_is_freed():
+    # Call 2 is a BatchNorm: its reading (8 units of backward above its kept 4,
+    # its output) was taken with the output still held, but in a replay the
+    # output is freed once the add read it, and the backward's temporaries (8
+    # units above what it kept, so 12 above the rest) come after.
+    alone = np.array([0.0, 1, 8, -4, -1])  # call 3 (the shortcut) frees its output too
+    measured = RegionModel(dataclasses.replace(_block_costs(_SAVERS), bwd_alone=alone))
+    unmeasured = RegionModel(_block_costs(_SAVERS))
+    assert measured.free_out[2] == 4.0
+    assert measured.bwd_region[1, 5] == unmeasured.bwd_region[1, 5] + 4.0
+    # A backward that allocates nothing once its output is gone (bwd_alone -4)
+    # keeps its reading: the model never counts less than it did.
+    freeing = RegionModel(dataclasses.replace(_block_costs(_SAVERS), bwd_alone=np.array(
+        [0.0, 1, -4, -4, -1])))
+    assert freeing.bwd_region[1, 5] == unmeasured.bwd_region[1, 5]
+    # Plain calls keep their reading above all they kept: nothing changes there.
+    assert np.array_equal(measured.plain_need, unmeasured.plain_need)

@@ -236,3 +236,40 @@ def test_a_gradient_that_needs_no_replay_runs_no_backward():
     # output gradient: 20.0 MiB, against 4.0 MiB plain (tensors of 2 MiB).
     r = json.loads(_run(OUTPUT_GRADIENT_SCRIPT).split("RESULT", 1)[1])
     assert r["region"] < r["plain"] + r["tensor"], {k: v / 2**20 for k, v in r.items()}
+
+
+BATCHNORM_REPLAY = STEP + textwrap.dedent("""
+    from benchmarks._tensor_peak import tensor_peak
+    from tf_checkpointing.planning import _model
+
+    keras.utils.set_random_seed(0)
+    x = keras.Input((32, 32, 8))
+    h = x
+    for i in range(4):  # MobileNetV2's shape: a 6x expansion, its BatchNorm, a projection
+        y = keras.layers.Conv2D(48, 1)(h)
+        y = keras.layers.BatchNormalization()(y)
+        y = keras.layers.ReLU()(y)
+        y = keras.layers.Conv2D(8, 1)(y)
+        h = keras.layers.BatchNormalization()(y)
+    model = keras.Model(x, keras.layers.Dense(2)(keras.layers.GlobalAveragePooling2D()(h)))
+    data = tf.random.normal([32, 32, 32, 8])
+    model(data)
+    plan = tc.plan_model(model, data, budget="min", mode="graph")
+    tc.apply_checkpointing(model, plan=plan)
+    step = make_step(model)
+    step(data)
+    tensors = [tensor_peak(lambda: step(data).numpy()) for _ in range(3)]
+    print("RESULT", json.dumps(dict(model=plan.predicted_peak_bytes / _model._CHUNKS,
+                                    tensors=tensors)))
+""")
+
+
+@pytest.mark.slow
+def test_the_least_plan_predicts_its_tensors_where_batchnorm_backward_peaks():
+    # A replayed BatchNorm's output is freed before its backward makes three
+    # temporaries its size; the model read the backward above its output and
+    # predicted this plan's tensors 13-19% low (MobileNetV2's least plan: 96 MiB
+    # against 123). The executor's order moves the peak: the model is of the worst.
+    r = json.loads(_run(BATCHNORM_REPLAY).split("RESULT", 1)[1])
+    worst = max(r["tensors"])
+    assert abs(r["model"] / worst - 1) <= 0.05, r

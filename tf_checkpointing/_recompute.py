@@ -236,7 +236,7 @@ class _Replay:
                 targets, inputs + differentiable_vars, output_gradients=target_grads
             ) if targets else [None] * (len(inputs) + len(differentiable_vars))
             if graph is not None:
-                weight_gradients_first(graph, first_op)
+                weight_gradients_first(graph, first_op, target_grads)
         input_grads = list(grads[: len(inputs)])
         variable_grads = after_replay(grads[len(inputs):], grads)
         by_variable = {id(v): g for v, g in zip(differentiable_vars, variable_grads)}

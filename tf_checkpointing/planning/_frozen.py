@@ -104,6 +104,7 @@ def without_backward(costs: GraphCosts, reached: tuple[bool, ...]) -> GraphCosts
         fwd=np.where(outside, costs.fwd0, costs.fwd),
         bwd=zero(costs.bwd), wgrad=zero(costs.wgrad),
         own_wgrad=None if costs.own_wgrad is None else zero(costs.own_wgrad),
+        bwd_alone=None if costs.bwd_alone is None else zero(costs.bwd_alone),
         dx=np.maximum(costs.dx - no_grad, 0.0),
         savers=savers)
 

@@ -111,7 +111,7 @@ def _graph_layer(call, x, device, name) -> tuple[LayerProfile, int, int]:
     graph = planning_function(step)
     sync(graph(x))  # trace and warm up
     outputs = [t for t in tf.nest.flatten(call(x)) if is_differentiable(t)]
-    kept, forward, total = [], [], []
+    kept, forward, total, after = [], [], [], []
     for _ in range(_GRAPH_RUNS):  # the executor's order, so what is held, varies
         readings.clear()
         before = allocator.mark()
@@ -120,13 +120,19 @@ def _graph_layer(call, x, device, name) -> tuple[LayerProfile, int, int]:
         (between, forward_peak), = readings
         kept.append(between - before)
         forward.append(forward_peak - before)
-        total.append(max(forward_peak, allocator.peak_since_mark()) - before)
+        after.append(allocator.peak_since_mark() - before)
+        total.append(max(forward_peak - before, after[-1]))
+    # The output gradient, allocated after the reading, is the model's own term.
+    above_kept = median(after) - median(kept) - nbytes(outputs)
     layer = LayerProfile(
         name=name, kept_bytes=median(kept), forward_peak_bytes=median(forward),
         untaped_peak_bytes=0,
-        # The output gradient, allocated after the reading, is the model's own term.
         backward_peak_bytes=max(0, median(total) - median(kept) - nbytes(outputs)),
-        weight_grad_bytes=nbytes(weight_grads), seconds=0.0)
+        weight_grad_bytes=nbytes(weight_grads), seconds=0.0,
+        # The outputs held at the reading may be freed before the backward
+        # allocates (a BatchNorm's: its backward reads its input, not its
+        # output), which the replay model needs to know (see _regions).
+        backward_alone_bytes=above_kept)
     return layer, nbytes(x_grads), nbytes(outputs)
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import tensorflow as tf
 
@@ -39,6 +39,10 @@ class LayerProfile:
         backward_peak_bytes: peak of its backward above the level before it.
         weight_grad_bytes: bytes of the gradients of the variables it reads.
         seconds: time of one (eager) forward.
+        backward_alone_bytes: (``tf.function`` profiles) the backward's own peak,
+            read after the forward, above what the forward kept and the output
+            gradient: negative when the backward frees kept bytes (its output)
+            before it allocates. None: not measured.
     """
 
     name: str
@@ -48,6 +52,7 @@ class LayerProfile:
     backward_peak_bytes: int
     weight_grad_bytes: int
     seconds: float
+    backward_alone_bytes: Optional[int] = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,7 +31,9 @@ __all__ = ["GraphCosts", "Lifetimes", "concurrent_backward"]
 class GraphCosts:
     """The numbers the program needs, per call ``i`` (``n`` calls) and per tensor.
 
-    ``kept, fwd, fwd0, bwd, wgrad, cost``: per call (from the profile).
+    ``kept, fwd, fwd0, bwd, wgrad, cost``: per call (from the profile);
+    ``bwd_alone``: per call, the backward alone above what the forward kept (see
+    :class:`~tf_checkpointing.planning._layer_profile.LayerProfile`).
     ``own_wgrad``: per call, the weight-gradient bytes a replay holds until its
     backward ends (a compiled step's; eager steps count them in ``wgrad``).
     ``dx``: ``n + 1`` gradient bytes of the tensors alive at each cut.
@@ -57,6 +59,9 @@ class GraphCosts:
     floating: np.ndarray
     own_wgrad: Optional[np.ndarray] = None
     savers: Optional[list] = None
+    # Per call, its backward's own peak above what its forward kept and its output
+    # gradient (LayerProfile.backward_alone_bytes); None: not measured (eager).
+    bwd_alone: Optional[np.ndarray] = None
     # [call, policy]: bytes a region replayed under the policy keeps of the
     # call on top of its inputs, and the call's replay seconds under it.
     policy_kept: Optional[np.ndarray] = None

@@ -137,6 +137,8 @@ def _profile(graph: LayerGraph, inputs: Any, *, mode: str,
         fwd=np.array([p.forward_peak_bytes for p in layers], float),
         fwd0=np.array([p.untaped_peak_bytes for p in layers], float),
         bwd=np.array([p.backward_peak_bytes for p in layers], float),
+        bwd_alone=None if any(p.backward_alone_bytes is None for p in layers)
+        else np.array([p.backward_alone_bytes for p in layers], float),
         # A compiled step applies each weight gradient when it is ready (see
         # profile_chain); an eager one holds them all until the optimizer runs.
         wgrad=np.array([0 if mode != "eager" else p.weight_grad_bytes for p in layers],

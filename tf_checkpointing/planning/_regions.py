@@ -102,12 +102,20 @@ class RegionModel:
         own = np.zeros(n) if costs.own_wgrad is None else costs.own_wgrad
         own_prefix = np.concatenate([[0.0], np.cumsum(own)])
         beside = tables.beside
+        # A call's backward peak was read above what its forward kept, its outputs
+        # included; in a replay the outputs no backward reads are gone by then
+        # (kept_prefix leaves them out), so its backward is its own peak above the
+        # rest: a MobileNetV2 BatchNorm's backward makes three temporaries the
+        # size of its output (72 MiB), which the reading above its kept output
+        # put at 48 (a least plan's tensors peaked 24 MiB above the model).
+        replay_bwd = costs.bwd if costs.bwd_alone is None else np.maximum(
+            costs.bwd, costs.bwd_alone + self.free_out)
         for a in range(n):
             k = np.arange(a, n)
             ckpt = np.maximum.accumulate(self.live[a, k] + costs.fwd0[k]
                                          + self.passing[a, k])
             back = np.maximum.accumulate(self.kept_prefix[k + 1] - self.kept_prefix[a]
-                                         + costs.dx[k + 1] + w_suffix[k + 1] + costs.bwd[k]
+                                         + costs.dx[k + 1] + w_suffix[k + 1] + replay_bwd[k]
                                          + beside[k] - own_prefix[k])
             self.fwd_ckpt[a, a + 1:] = ckpt
             self.bwd_region[a, a + 1:] = back + own_prefix[k + 1]
