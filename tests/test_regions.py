@@ -9,6 +9,7 @@ input gradient before its weight gradients), so the model counts it there.
 import dataclasses
 
 import numpy as np
+import pytest
 
 from tf_checkpointing.planning._region_solver import solve
 from tf_checkpointing.planning._regions import GraphCosts, RegionModel
@@ -152,3 +153,37 @@ def test_a_replay_counts_a_backward_that_allocates_after_its_output_is_freed():
     assert freeing.bwd_region[1, 5] == unmeasured.bwd_region[1, 5]
     # Plain calls keep their reading above all they kept: nothing changes there.
     assert np.array_equal(measured.plain_need, unmeasured.plain_need)
+
+
+def _add_graph(later_reader):
+    import keras
+
+    from tf_checkpointing.planning._graph import read_graph
+
+    x = keras.Input((8,))
+    short = keras.layers.Dense(8, name="short")(x)
+    branch = keras.layers.Dense(8, name="branch")(short)
+    added = keras.layers.Add(name="add")([short, branch])
+    # Keras runs "row" after "add": reading short, it keeps short's gradient apart.
+    row = keras.layers.Dense(1, name="row")(short if later_reader else added)
+    out = keras.layers.Add(name="broadcast")([added, row])  # (None, 8) + (None, 1)
+    return read_graph(keras.Model(x, out), "test")
+
+
+@pytest.mark.parametrize("later_reader", [False, True])
+def test_the_inputs_of_an_add_share_one_gradient_until_another_reader(later_reader):
+    # tf.add passes its output's gradient to each same-shaped input: at the cut
+    # before the Add, a branch output and a shortcut that nothing else reads
+    # afterwards have one gradient tensor between them.
+    from tf_checkpointing.planning._graph import tensor_keys
+    from tf_checkpointing.planning._model_profile import _shared_gradients
+
+    graph = _add_graph(later_reader)
+    sizes = {key: (32, True) for key in tensor_keys(graph)}
+    order = [call.name for call in graph.calls]
+    shared = _shared_gradients(graph, sizes)
+    assert shared[order.index("add")] == (0 if later_reader else 32)
+    # Before the branch ran, short still has another reader (the branch).
+    assert shared[order.index("branch")] == 0
+    # The broadcast Add's inputs have gradients of their own (one is reduced).
+    assert shared[order.index("broadcast")] == 0

@@ -101,7 +101,7 @@ class RegionModel:
         # calls [k, c) are held at the backward of call k of region [a, c).
         own = np.zeros(n) if costs.own_wgrad is None else costs.own_wgrad
         own_prefix = np.concatenate([[0.0], np.cumsum(own)])
-        beside = tables.beside
+        beside = self.beside = tables.beside
         # A call's backward peak was read above what its forward kept, its outputs
         # included; in a replay the outputs no backward reads are gone by then
         # (kept_prefix leaves them out), so its backward is its own peak above the
@@ -145,20 +145,26 @@ class RegionModel:
         return max(self.fwd_ckpt[a, c], replay_peak + self.double[a, c],
                    self.enter[a, c] + self.kept_in[a, c] + self.costs.dx[c])
 
-    def rescale_plain(self, scale: float) -> None:
-        """Sets ``plain_scale``: the need and held bytes of each plain call."""
+    def rescale_plain(self, scale: float, beside: bool = False) -> None:
+        """Sets ``plain_scale``: the need and held bytes of each plain call (with
+        ``beside``, its backward beside those of parallel branches)."""
         costs, k = self.costs, np.arange(self.n)
         self.plain_scale = scale
         self.plain_held = scale * np.maximum(costs.kept - self.free_out, 0.0)
         self.plain_need = np.maximum(scale * costs.fwd + self.passing[k, k],
                                      scale * (costs.kept + costs.bwd)
-                                     + costs.dx[k + 1] + self._w_suffix[k + 1])
+                                     + costs.dx[k + 1] + self._w_suffix[k + 1]
+                                     + (self.beside if beside else 0.0))
 
     def in_replay(self) -> RegionModel:
         """The model of calls run inside a replay: every call keeps what its
-        per-call profile measured (no plain-step scale), and no policies."""
+        per-call profile measured (no plain-step scale), its backward runs beside
+        those of parallel branches, as in a flat replay (a ResNet block's two
+        last BatchNorms, plain inside a nested replay of ResNet50's least plan:
+        both backward passes' temporaries, 80 MiB, were alive at once), and no
+        policies."""
         view = copy.copy(self)
-        view.rescale_plain(1.0)
+        view.rescale_plain(1.0, beside=True)
         # Regions inside a replay are full replays (policies are for the top level).
         view.policy_kept_prefix = view.policy_cost_prefix = np.zeros((self.n + 1, 0))
         return view
