@@ -64,6 +64,30 @@ def test_a_replayed_convolution_computes_its_filter_gradient_first():
     assert _ordered_pairs(plain, {"Conv2DBackpropFilter"}, {"Conv2DBackpropInput"}) == []
 
 
+def test_a_region_ending_in_a_convolution_orders_it_on_the_incoming_gradient():
+    # The convolution's output gradient is the region's incoming gradient, made
+    # before the replay's backward: ordered too (the U-Net's last stage as a
+    # region of its own peaked at 18.5-24.5 MiB instead of 15.5 without this).
+    conv = keras.layers.Conv2D(4, 3, padding="same", use_bias=False)
+    u, s = tf.random.normal([2, 8, 8, 3]), tf.random.normal([2, 8, 8, 2])
+    ends_in_conv = lambda u, s: conv(tf.concat([u, s], -1))  # noqa: E731
+    ends_in_conv(u, s)
+    replayed = _gradient_graph(checkpointable(ends_in_conv, checkpoint=True), u, s,
+                               variables=conv.trainable_variables)
+    pairs = _ordered_pairs(replayed, {"Conv2DBackpropFilter"}, {"Conv2DBackpropInput"})
+    assert len(pairs) == 1
+    for mode in ("eager", "function", "xla"):  # runs and equals plain
+        def grads(fn, mode=mode):
+            def step(u, s):
+                with tf.GradientTape() as tape:
+                    tape.watch([u, s])
+                    loss = tf.reduce_sum(fn(u, s) ** 2)
+                return tape.gradient(loss, [u, s] + conv.trainable_variables)
+            return compile_step(step, mode)(u, s)
+        assert_all_close(grads(checkpointable(ends_in_conv, checkpoint=True)),
+                         grads(ends_in_conv))
+
+
 @pytest.mark.parametrize("policy", ["float32", "mixed_float16"])
 def test_dense_layers_are_ordered_without_cycles_in_any_precision(policy):
     previous = keras.config.dtype_policy()
@@ -116,7 +140,7 @@ SCRIPT = textwrap.dedent("""
     from tf_checkpointing import _recompute
 
     if not ORDERED:
-        _recompute.weight_gradients_first = lambda graph, first: 0
+        _recompute.weight_gradients_first = lambda graph, first, incoming=(): 0
     conv = keras.layers.Conv2D(16, 3, padding="same", use_bias=False)
 
     @tc.checkpointable(checkpoint=True)
