@@ -17,7 +17,8 @@ from typing import Any, Optional
 
 import tensorflow as tf
 
-__all__ = ["after_gradient", "after_replay", "fresh_copies", "weight_gradients_first"]
+__all__ = ["after_gradient", "after_replay", "fresh_copies", "variable_reads",
+           "weight_gradients_first"]
 
 # Backward kernels that read a forward activation and the incoming gradient (the
 # weight gradient of a convolution, either product of a matrix multiplication),
@@ -30,28 +31,41 @@ _MAKES_INPUT_GRADIENT = frozenset({
     "DepthwiseConv2dNativeBackpropInput", "MatMul", "BatchMatMulV2", "BatchMatMulV3"})
 # Where a tensor comes from a variable (its buffer is the variable's: nothing to free).
 _VARIABLE_READS = frozenset({"ReadVariableOp", "Const", "VarHandleOp", "Placeholder"})
+# Ops that only read a variable's value.
+_PURE_READS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd"})
 # Backward ops that read only shapes (a convolution's gradient asks for its
 # operands' shapes): not a gradient, and they depend on nothing of the backward.
 _SHAPES = frozenset({"Shape", "ShapeN", "Size", "Rank", "Const"})
 
 
-def after_replay(variable_grads: Sequence[Any], all_grads: Sequence[Any]) -> list[Any]:
-    """Variable gradients that depend, by data, on every gradient the replay
-    computed, so an optimizer step cannot update a variable before the replay
-    has read it.
+def after_replay(variable_grads: Sequence[Any], all_grads: Sequence[Any],
+                 reads: Sequence[Any] = (), incoming: Sequence[Any] = ()) -> list[Any]:
+    """Variable gradients that depend, by data, on every read of a variable the
+    replay made (``reads``, see :func:`variable_reads`, and the ``incoming``
+    gradients; with no read found, on every gradient the replay computed), so an
+    optimizer step cannot update a variable before the replay has read it.
 
     In a graph, a Dense kernel's gradient does not need the kernel's value, so
     only a control edge (automatic control dependencies) orders the replay's read
     of the kernel before the optimizer's in-place update; Grappler's dependency
     optimizer drops that edge, and the replay then sometimes read the updated
-    kernel: wrong gradients for every layer below. Every read that matters feeds
-    some gradient, so waiting for all of them restores the order. The probe is
-    one element per gradient (gradients are alive anyway), not the replay's
-    outputs, which would keep activations alive. (Eager runs in order.)"""
+    kernel: wrong gradients for every layer below. (A value read is the
+    variable's buffer at the read: an update of a buffer still referenced
+    copies it first.) The probe is one element per read, not the replay's
+    outputs, which would keep activations alive. Not every gradient the replay
+    computed: the outer backward asks for some only (not a model input's, not a
+    frozen layer's kernel's, whose variables TensorFlow still calls trainable),
+    and waiting for the rest would run their backward, keeping what they read (a
+    region over a frozen backbone and a trainable block peaked at 2x the plain
+    step). (Eager runs in order.)"""
     present = [g for g in all_grads if g is not None and g.dtype != tf.variant]
     if tf.executing_eagerly() or not present:
         return list(variable_grads)
-    zero = _opaque_zero(present)
+    arriving = _incoming(incoming)
+    if reads and arriving:
+        zero = _opaque_zero(_elements(reads, _opaque_zero(arriving)) or arriving)
+    else:
+        zero = _opaque_zero(present)
 
     def ordered(grad: Any) -> Any:
         if isinstance(grad, tf.IndexedSlices):
@@ -60,6 +74,35 @@ def after_replay(variable_grads: Sequence[Any], all_grads: Sequence[Any]) -> lis
         return None if grad is None else grad + tf.cast(zero, grad.dtype)
 
     return [ordered(grad) for grad in variable_grads]
+
+
+def _elements(values: Sequence[tf.Tensor], zero: tf.Tensor) -> list[tf.Tensor]:
+    """One element of each of ``values`` (empty ones left out), gathered at an
+    index computed from ``zero``: taken in the backward, not in the forward
+    (where a function's gradient would keep it). A slice whose start is that
+    index let XLA merge the replay into the forward; a gather does not."""
+    index = tf.cast(zero, tf.int32)[None]
+    return [tf.gather(tf.reshape(value, [-1]), index) for value in values
+            if value.shape.num_elements() != 0]
+
+
+def variable_reads(graph: Any, forward: tuple[int, int], backward_end: int) -> list[tf.Tensor]:
+    """What a replay read from resources: in its forward (``graph``'s operations
+    ``forward[0]:forward[1]``), every value an op with a resource input made (a
+    variable's ``ReadVariableOp``, an embedding's ``ResourceGather``, a loop or
+    function call reading its kernels); in its backward (to ``backward_end``),
+    the reads themselves (a custom gradient may read a variable), not the ops
+    that read, which the outer backward may not need."""
+    operations = graph.get_operations()
+    values: list[tf.Tensor] = []
+    for k in range(forward[0], backward_end):
+        op = operations[k]
+        if k >= forward[1] and op.type not in _PURE_READS:
+            continue
+        if any(t.dtype == tf.resource for t in op.inputs):
+            values.extend(t for t in op.outputs if t.dtype.is_floating or t.dtype.is_integer
+                          or t.dtype.is_bool or t.dtype.is_complex)
+    return values
 
 
 def fresh_copies(inputs: list[tf.Tensor], output_grads: Sequence[Any]) -> list[tf.Tensor]:

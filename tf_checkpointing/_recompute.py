@@ -41,6 +41,7 @@ from tf_checkpointing._ordering import (
     after_gradient,
     after_replay,
     fresh_copies,
+    variable_reads,
     weight_gradients_first,
 )
 from tf_checkpointing._replay_check import check_mode_from_environment, signature, verify_replay
@@ -218,6 +219,8 @@ class _Replay:
             scopes.enter_context(_refuse_new_variables(self.name))
             inputs = fresh_copies(inputs, output_grads)
             others = after_gradient(self.leaves, self.positions, output_grads)
+            graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+            replay_op = len(graph.get_operations()) if graph is not None else 0
             with tf.GradientTape(watch_accessed_variables=False) as tape:
                 tape.watch(inputs)
                 tape.watch(differentiable_vars)
@@ -230,15 +233,18 @@ class _Replay:
                 if grad is not None:
                     targets.append(out_leaves[i])
                     target_grads.append(grad)
-            graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
             first_op = len(graph.get_operations()) if graph is not None else 0
             grads = tape.gradient(
                 targets, inputs + differentiable_vars, output_gradients=target_grads
             ) if targets else [None] * (len(inputs) + len(differentiable_vars))
+            reads = []
             if graph is not None:
                 weight_gradients_first(graph, first_op, target_grads)
+                if differentiable_vars:
+                    reads = variable_reads(graph, (replay_op, first_op),
+                                           len(graph.get_operations()))
         input_grads = list(grads[: len(inputs)])
-        variable_grads = after_replay(grads[len(inputs):], grads)
+        variable_grads = after_replay(grads[len(inputs):], grads, reads, target_grads)
         by_variable = {id(v): g for v, g in zip(differentiable_vars, variable_grads)}
         if not variables:
             return input_grads
