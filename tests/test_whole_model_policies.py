@@ -83,11 +83,16 @@ def _fixed_step_times(calls, *args, **kwargs):
             for name in calls}
 
 
-def test_the_planner_replays_under_a_policy_where_it_saves_time(monkeypatch):
+@pytest.mark.slow
+def test_the_planner_replays_under_a_policy_where_it_saves_time(monkeypatch, request):
     # Which plan is cheapest depends on measured step times; on a loaded 2-core
     # CI machine the measured ratios once came out so that no budget chose a
     # policy. The planner's choice is tested on fixed times (the bytes are still
-    # measured); the timing itself is the benchmark's business.
+    # measured); the timing itself is the benchmark's business. The bytes are read
+    # in a process of its own: late in the suite a worker's allocator holds what
+    # earlier tests left, and the readings once chose no policy at any budget.
+    if ran_in_fresh_process(request):
+        return
     monkeypatch.setattr(_choices, "step_extra_seconds", _fixed_step_times)
     keras.utils.set_random_seed(0)
     model = dense_heavy(width=128, blocks=4)
