@@ -7,7 +7,8 @@ inputs allow. A replay scheduled early (or merged back into the forward) holds
 every activation checkpointing was meant to free; a replay scheduled after the
 optimizer's update reads updated weights. The functions here add data edges
 that cannot be optimized away: an always-zero value computed from one element
-of each incoming gradient (:func:`_opaque_zero`).
+of each incoming gradient (:func:`_opaque_zero`), and, for the variable
+gradients, of each value the replay read from a variable (:func:`after_replay`).
 """
 
 from __future__ import annotations
