@@ -44,7 +44,7 @@ def fresh_peaks(model: str, tiny: bool, spec: dict, steps: int,
     new process: ``batch``, ``jit``, and at most one of ``select`` (a layer class
     name, or ``"every"``), ``plan`` (from :func:`plan_spec`) and ``budget``. With
     ``tensors``, one more step is traced and the peak of its tensors (requested
-    bytes, see ``_tensor_peak``) is appended."""
+    bytes, see ``tf_checkpointing.planning._requested``) is appended."""
     command = [sys.executable, __file__, model, json.dumps(dict(spec, steps=steps,
                                                                 tensors=tensors))]
     done = subprocess.run(command + (["--tiny"] if tiny else []), capture_output=True,
@@ -98,9 +98,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     step(x).numpy()  # trace (and plan) outside the measurement
     peaks = [tc.peak_memory(lambda: step(x).numpy()) / MIB for _ in range(spec["steps"])]
     if spec.get("tensors"):
-        from benchmarks._tensor_peak import tensor_peak
+        from tf_checkpointing.planning._requested import requested_peak
 
-        peaks.append(tensor_peak(lambda: step(x).numpy()) / MIB)
+        peaks.append(requested_peak(lambda: step(x).numpy()) / MIB)
     print(json.dumps(peaks))
 
 

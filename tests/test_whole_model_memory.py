@@ -243,7 +243,7 @@ def test_a_gradient_that_needs_no_replay_runs_no_backward():
 
 
 BATCHNORM_REPLAY = STEP + textwrap.dedent("""
-    from benchmarks._tensor_peak import tensor_peak
+    from tf_checkpointing.planning._requested import requested_peak
     from tf_checkpointing.planning import _model
 
     keras.utils.set_random_seed(0)
@@ -262,7 +262,7 @@ BATCHNORM_REPLAY = STEP + textwrap.dedent("""
     tc.apply_checkpointing(model, plan=plan)
     step = make_step(model)
     step(data)
-    tensors = [tensor_peak(lambda: step(data).numpy()) for _ in range(3)]
+    tensors = [requested_peak(lambda: step(data).numpy()) for _ in range(3)]
     print("RESULT", json.dumps(dict(model=plan.predicted_peak_bytes / _model._CHUNKS,
                                     tensors=tensors)))
 """)

@@ -32,6 +32,7 @@ from tf_checkpointing.planning._layer_profile import (
     taped,
     untaped_pass,
 )
+from tf_checkpointing.planning._requested import requested_peak
 
 __all__: list[str] = []
 
@@ -158,7 +159,14 @@ def graph_plain_peak(calls, x, device, jit_compile: bool = False,
     sync(step(x))  # trace and warm up
     allocator = Allocator(device)
     start = allocator.mark()
-    sync(step(x))
+    if jit_compile:
+        # XLA's one buffer at its size: the chunk it lands in depends on what the
+        # planner's own measurements left in the pool (see _requested).
+        requested = requested_peak(lambda: sync(step(x)), device)
+        if requested is not None:
+            return requested
+    else:
+        sync(step(x))
     return max(0, allocator.peak_since_mark() - start)
 
 

@@ -184,6 +184,7 @@ def _plan_graph(graph: LayerGraph, inputs: Any, budget: Optional[int], *, mode: 
                      predicted_peak_bytes=int(predict(region_model.peak(()), False)),
                      plain_peak_bytes=plain_peak, min_budget_bytes=min(min_peak, plain_peak),
                      policies=policies, predicted_extra_seconds=0.0)
+    measured: Optional[int] = None
     if budget is None:
         spans, chosen = least_spans, least_chosen
         if spans and predict(region_model.peak(spans, policies=chosen)) >= plain_peak:
@@ -216,10 +217,12 @@ def _plan_graph(graph: LayerGraph, inputs: Any, budget: Optional[int], *, mode: 
                                             policies[p] if p >= 0 else None for p in chosen)))
         spans, chosen = ((found[1], found[2]) if found is not None
                          else (least_spans, least_chosen))
+        if found is not None and len(found) > 3:
+            measured = found[3]  # this very plan's XLA step, measured
     return dataclasses.replace(
         plan, spans=spans,
-        predicted_peak_bytes=int(predict(region_model.peak(spans, policies=chosen),
-                                         bool(spans))),
+        predicted_peak_bytes=int(measured if measured is not None else predict(
+            region_model.peak(spans, policies=chosen), bool(spans))),
         region_policies=tuple(policies[p] if p >= 0 else None for p in chosen)
         if policies else (),
         predicted_extra_seconds=region_model.extra_work(spans, chosen))

@@ -37,7 +37,16 @@ up to 15% apart. So a whole-model plan for a budget is also checked: the
 plan chosen for the budget is compiled and measured, its measured peak
 becomes one more point of the mapping (a monotone piecewise-linear curve
 through every point measured for the profile), and if it does not fit, the
-plan is chosen again on the corrected curve (:func:`plan_within`).
+plan is chosen again on the corrected curve (:func:`plan_within`). The
+plan's predicted peak is then its own measurement, not the curve's: the
+curve is raised to keep it monotone, and read a U-Net plan measured at 31
+MiB as 36 (2026-11-25).
+
+Each XLA step is measured by the bytes it requests (:mod:`._requested`),
+not by the allocator's chunks: in the pool the profile leaves behind, XLA's
+one buffer lands in a larger free chunk, counted whole (the same U-Net plan
+read 34.5 MiB there, 31.9 in a new process, where the buffer is cut from
+the pool at its size).
 """
 
 from __future__ import annotations
@@ -217,8 +226,10 @@ def plan_within(key: Any, anchor: XlaAnchor, usable: float,
     measures a plan's XLA step. Each measured plan becomes a point of the
     anchor (kept for ``key``, so later budgets start from the corrected
     curve); a plan that measured above ``usable`` is chosen again on the
-    corrected curve, up to ``tries`` times. Returns the plan that fits (None:
-    none did, take the least plan) and the anchor."""
+    corrected curve, up to ``tries`` times. Returns the plan that fits, with
+    its measured peak appended (``(model bytes, spans, chosen, measured)``;
+    None: none did, take the least plan; a plan of no region is not
+    measured), and the anchor."""
     for _ in range(tries):
         found = solve_for(anchor.model_limit(usable))
         if found is None or not found[1]:
@@ -228,5 +239,5 @@ def plan_within(key: Any, anchor: XlaAnchor, usable: float,
         if key in _model_anchors:
             _model_anchors[key] = anchor
         if measured <= usable:
-            return found, anchor
+            return (*found, measured), anchor
     return None, anchor
