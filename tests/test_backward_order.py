@@ -100,6 +100,12 @@ def test_dense_layers_are_ordered_without_cycles_in_any_precision(policy):
         variables = dense1.trainable_variables + dense2.trainable_variables
         graph = _gradient_graph(block, x, variables=variables)
         assert _ordered_pairs(graph, {"MatMul"}, {"MatMul"})
+        # float16 values to 8 of their units: on a CPU with native float16
+        # (AVX512_FP16), the tf.function gradients through the GELU moved by 1-8
+        # units (oneDNN's graph rewrites fuse GELU's float16 ops differently in
+        # the plain and the replayed graph; equal with ReLU or no activation,
+        # and with TF_ENABLE_ONEDNN_OPTS=0; measured 2026-11-25).
+        tolerance = {"rtol": 8 * 2.0**-10} if policy == "mixed_float16" else {}
         for mode in ("eager", "function", "xla"):  # runs (no cycle) and equals plain
             def grads(fn, mode=mode):
                 def step(x):
@@ -108,7 +114,7 @@ def test_dense_layers_are_ordered_without_cycles_in_any_precision(policy):
                         loss = tf.reduce_sum(tf.cast(fn(x), tf.float32) ** 2)
                     return tape.gradient(loss, [x] + variables)
                 return compile_step(step, mode)(x)
-            assert_all_close(grads(block), grads(lambda x: dense2(dense1(x))))
+            assert_all_close(grads(block), grads(lambda x: dense2(dense1(x))), **tolerance)
     finally:
         keras.config.set_dtype_policy(previous)
 

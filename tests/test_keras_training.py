@@ -272,18 +272,13 @@ def _ancestors(graph_def):
     return of
 
 
-def test_replay_reads_each_weight_before_the_optimizer_updates_it():
-    """In a graph, the replay reads the weights again during backprop, and an
-    optimizer step in the same function writes them. The write must wait for
-    the read even after Grappler (whose dependency optimizer drops the control
-    edge when the weight's own gradient does not need its value, as for a Dense
-    kernel): otherwise the replay sometimes reads updated weights and every
-    gradient below is wrong, at random (~1 training run in 10)."""
+def _reads_and_updates(model, x, y):
+    """``(update node name, its variable's ReadVariableOps, those that are not
+    its ancestors)`` per optimizer update of ``model``'s SGD step, after Grappler."""
     from tensorflow.core.protobuf import config_pb2
     from tensorflow.python.framework import meta_graph
     from tensorflow.python.grappler import tf_optimizer
 
-    model = functional(True)
     optimizer = keras.optimizers.SGD(0.1)
 
     @tf.function
@@ -293,7 +288,7 @@ def test_replay_reads_each_weight_before_the_optimizer_updates_it():
         optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
         return loss
 
-    graph = step.get_concrete_function(*data(8)).graph
+    graph = step.get_concrete_function(x, y).graph
     graph_def = graph.as_graph_def()
     writes = [n.name for n in graph_def.node if n.op.startswith(("AssignSub", "ResourceApply"))]
     meta = meta_graph.create_meta_graph_def(graph=graph)
@@ -305,14 +300,80 @@ def test_replay_reads_each_weight_before_the_optimizer_updates_it():
     handle_of = lambda n: n.input[0].split(":")[0]  # noqa: E731
     ancestors = _ancestors(optimized)
     nodes = {n.name: n for n in optimized.node}
-    updates = [nodes[w] for w in writes if w in nodes]
-    assert len(updates) == len(model.trainable_variables)
-    replayed = 0
-    for update in updates:
+    out = []
+    for update in [nodes[w] for w in writes if w in nodes]:
         reads = [n.name for n in optimized.node
                  if n.op == "ReadVariableOp" and handle_of(n) == handle_of(update)]
-        replayed += len(reads) >= 2  # the forward's read and the replay's
-        assert set(reads) <= ancestors(update.name), f"{update.name} may run before a read"
+        out.append((update.name, reads, sorted(set(reads) - ancestors(update.name))))
+    return out
+
+
+def test_replay_reads_each_weight_before_the_optimizer_updates_it():
+    """In a graph, the replay reads the weights again during backprop, and an
+    optimizer step in the same function writes them. The write must wait for
+    the read even after Grappler (whose dependency optimizer drops the control
+    edge when the weight's own gradient does not need its value, as for a Dense
+    kernel): otherwise the replay sometimes reads updated weights and every
+    gradient below is wrong, at random (~1 training run in 10)."""
+    model = functional(True)
+    updates = _reads_and_updates(model, *data(8))
+    assert len(updates) == len(model.trainable_variables)
+    for name, _, unordered in updates:
+        assert not unordered, f"{name} may run before {unordered}"
     # Grappler may merge a replay read into the forward one (then it runs first
     # anyway); at least one weight must really be read again by the replay.
-    assert replayed >= 1
+    assert sum(len(reads) >= 2 for _, reads, _ in updates) >= 1
+
+
+class _ScaleReadInBackward(keras.layers.Layer):
+    """``x * w`` whose custom gradient reads ``w`` again, through a nested
+    ``tf.function`` (a call op in the backward, not a ReadVariableOp), for the
+    input gradient only: ``w``'s own gradient does not need that read."""
+
+    def build(self, shape):
+        self.w = self.add_weight(shape=(shape[-1],), initializer="ones", name="w")
+
+    def call(self, x):
+        w = self.w.value
+
+        @tf.function(autograph=False)
+        def doubled():
+            return w.read_value() * 2.0
+
+        @tf.custom_gradient
+        def scaled(x):
+            def grad(dy, variables=None):
+                return dy * doubled(), [tf.reduce_sum(dy * x, axis=0)]
+            return x * w, grad
+
+        return scaled(x)
+
+
+class _ReadInBackwardBlock(keras.layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.first, self.scale = keras.layers.Dense(8), _ScaleReadInBackward(name="scale")
+        self.last = keras.layers.Dense(8)
+
+    def call(self, x):
+        return self.last(tf.nn.relu(self.scale(self.first(x))))
+
+
+def test_a_read_in_a_custom_gradient_s_nested_function_precedes_the_update():
+    # The replay's variable gradients wait on the variable reads found in its
+    # forward, and on the plain reads in its backward; a read in the backward
+    # made by a nested function call is not among them. Grappler inlines the
+    # call, and its read is still ordered before the update (this test, like the
+    # one above, fails with after_replay's guard removed).
+    inputs = keras.Input((8,))
+    h = keras.layers.Dense(8)(inputs)
+    h = checkpointable(_ReadInBackwardBlock(name="block"), checkpoint=True)(h)
+    model = keras.Model(inputs, keras.layers.Dense(1)(h))
+    x, y = tf.random.normal([4, 8]), tf.random.normal([4, 1])
+    model(x)
+    updates = _reads_and_updates(model, x, y)
+    assert len(updates) == len(model.trainable_variables)
+    scale = [u for u in updates if len(u[1]) >= 3]  # forward, replay, the nested call
+    assert scale, [(name, len(reads)) for name, reads, _ in updates]
+    for name, _, unordered in updates:
+        assert not unordered, f"{name} may run before {unordered}"
