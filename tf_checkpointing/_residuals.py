@@ -252,12 +252,19 @@ def _mib(size: int) -> str:
     return f"{size / 2**20:.2f} MiB"
 
 
-def held_bytes(fn: Callable[..., Any], *args: Any, device: Optional[str] = None) -> int:
+def held_bytes(fn: Callable[..., Any], *args: Any, device: Optional[str] = None,
+               steps: int = 3) -> int:
     """Measures, with the allocator, the bytes held between the forward and the
     backward of ``fn(*args)`` in a ``tf.function``: an op between the two passes
     (every backward op waits for it through the incoming gradient) reads the
-    allocator's current bytes, minus the bytes in use before the step. Needs
-    ``TF_CPU_ALLOCATOR_USE_BFC=true`` on CPU (see ``tf_checkpointing.measure``)."""
+    allocator's current bytes, minus the bytes in use before the step; the least
+    of ``steps`` steps. Needs ``TF_CPU_ALLOCATOR_USE_BFC=true`` on CPU (see
+    ``tf_checkpointing.measure``).
+
+    The least: forward ops that the reading does not wait for may still be
+    running, with their temporaries, when it is taken; on a loaded machine one
+    step of a small decoder read 173 KB against the 143 KB its saved tensors
+    list (alone, its steps read within 15% of that; 2026-11-25)."""
     from tf_checkpointing._memory import _memory_info, default_memory_device
 
     device = device or default_memory_device()
@@ -283,6 +290,9 @@ def held_bytes(fn: Callable[..., Any], *args: Any, device: Optional[str] = None)
     tensors = [tf.convert_to_tensor(a) for a in args]
     step.get_concrete_function(*tensors)
     step(*tensors)  # warm up: kernels, constants, Grappler's rewrite
-    before = _memory_info(device)["current"]
-    step(*tensors)
-    return readings[-1] - before
+    held = []
+    for _ in range(max(1, steps)):
+        before = _memory_info(device)["current"]
+        step(*tensors)
+        held.append(readings[-1] - before)
+    return min(held)

@@ -3,15 +3,14 @@
 ``tf.config.experimental.get_memory_info`` reports the BFC allocator's bytes in
 use: whole chunks. The allocator splits a free chunk only when it is at least
 twice the request, so a 9 MiB tensor can occupy a 16 MiB chunk, and how much
-the chunks exceed the tensors depends on which chunks earlier frees left: on
-the pool a planner leaves behind (its profile's tensors freed in every size),
-one XLA buffer of 31 MiB, the U-Net's whole step, was read as 34.5 MiB, the
-same step in a new process as 31.9 (measured 2026-11-25). The allocator's own
-events (the TensorFlow profiler records each allocation and deallocation with
-the bytes requested) give the peak of the requested bytes over a step, which
-does not depend on the pool: the XLA planner measures its steps with it (an
-XLA step's one buffer is cut from the pool at its size on a fresh pool, see
-``_memory.grow_cpu_pool``), and the benchmarks report it beside the chunks.
+the chunks exceed the tensors depends on which chunks earlier frees left: the
+pool a planner leaves behind has its profile's tensors freed in every size.
+The allocator's own events (the TensorFlow profiler records each allocation
+and deallocation with the bytes requested) give the peak of the requested
+bytes over a step, which does not depend on the pool: the XLA planner
+measures its steps with it (in a new process an XLA step's one buffer is cut
+from the pool at its size, see ``_memory.grow_cpu_pool``, so the two agree
+there), and the benchmarks report it beside the chunks.
 
     >>> import tensorflow as tf
     >>> from tf_checkpointing.planning._requested import requested_peak

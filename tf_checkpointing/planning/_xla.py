@@ -43,10 +43,12 @@ curve is raised to keep it monotone, and read a U-Net plan measured at 31
 MiB as 36 (2026-11-25).
 
 Each XLA step is measured by the bytes it requests (:mod:`._requested`),
-not by the allocator's chunks: in the pool the profile leaves behind, XLA's
-one buffer lands in a larger free chunk, counted whole (the same U-Net plan
-read 34.5 MiB there, 31.9 in a new process, where the buffer is cut from
-the pool at its size).
+not by the allocator's chunks, which depend on the free chunks the profile
+left in the pool; and as a training step (a loss's gradient, an SGD update:
+``_graph_profile.graph_plain_peak``), which XLA schedules otherwise than a
+backward with a constant output gradient and gradients only summed (a U-Net
+plan: 35.7 MiB against the Keras SGD step's 32.2; ResNet50's plans 17 MiB
+below it).
 """
 
 from __future__ import annotations
