@@ -86,9 +86,9 @@ def _allocator_name_test(device: str) -> Callable[[str], bool]:
     """Whether an allocator's name is ``device``'s BFC allocator: on CPU
     ``bfc_cpu_allocator_for_gpu`` (its name with or without a GPU), on GPU k
     ``GPU_k_bfc``."""
-    kind, _, index = device.upper().rpartition("/")[2].partition(":")
-    if kind == "GPU":
-        return lambda name: name == f"GPU_{index or 0}_bfc"
+    spec = tf.DeviceSpec.from_string(device if "/" in device else f"/device:{device}")
+    if (spec.device_type or "").upper() == "GPU":
+        return lambda name: name == f"GPU_{spec.device_index or 0}_bfc"
     return lambda name: "bfc" in name and "cpu" in name.lower()
 
 
