@@ -452,3 +452,69 @@ def test_a_kept_product_read_only_by_bias_add_and_transpose_is_kept_after_them(m
 
     assert executed(None, True) != executed(None, False)  # a full replay redoes them
     assert executed(policies.dots_saveable, True) == executed(None, False)
+
+
+class ConvNormBlock(keras.layers.Layer):
+    """Convolution, BatchNorm, ReLU, LayerNorm: the statistics of both norms are
+    reductions at most 1/16 of their inputs."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        # No bias before a BatchNorm (as in ResNet): its gradient is zero up to rounding.
+        self.conv = keras.layers.Conv2D(
+            32, 3, padding="same", use_bias=False,
+            kernel_initializer=keras.initializers.GlorotUniform(seed=4))
+        self.batch_norm = keras.layers.BatchNormalization()
+        self.layer_norm = keras.layers.LayerNormalization()
+
+    def call(self, x, training=None):
+        h = tf.nn.relu(self.batch_norm(self.conv(x), training=training))
+        return self.layer_norm(h) + x
+
+
+def _image():
+    return tf.random.stateless_normal([4, 8, 8, 32], seed=[5, 6])
+
+
+def _block_step(policy, checkpoint):
+    block = ConvNormBlock()
+    block(_image())
+    return block, _step(block, policy, checkpoint)
+
+
+def test_reductions_saveable_matches_plain(mode):
+    block, plain_step = _block_step(None, False)
+    start = [v.numpy() for v in block.variables]
+    plain = compile_step(plain_step, mode)(_image())
+    plain_state = [v.numpy() for v in block.variables]
+    for v, value in zip(block.variables, start):
+        v.assign(value)
+    ours = compile_step(_step(block, policies.reductions_saveable, True), mode)(_image())
+    assert_all_close(ours, plain)
+    assert_all_close([v.numpy() for v in block.variables], plain_state)  # moving statistics
+    assert any(not np.array_equal(a, b) for a, b in zip(start, plain_state))
+
+
+def test_reductions_saveable_keeps_the_statistics_and_the_replay_skips_them():
+    def means(policy, checkpoint):
+        _, step = _block_step(policy, checkpoint)
+        graph = tf.function(step).get_concrete_function(_image()).graph
+        return sum(op.type == "Mean" for op in _executed(graph))
+
+    plain = means(None, False)
+    assert plain >= 4  # the batch and layer statistics: a mean and a variance each
+    assert means(None, True) == plain + 4  # a full replay computes all four again
+    assert means(policies.reductions_saveable, True) == plain
+
+
+@pytest.mark.parametrize("op_type, shape, inputs, kept", [
+    ("Mean", [1, 1, 1, 64], [[8, 32, 32, 64], [3]], True),   # BatchNorm's moments
+    ("Mean", [8, 128, 1], [[8, 128, 256], [1]], True),        # LayerNorm's
+    ("Sum", [8, 16], [[8, 16, 2], [1]], False),               # half its input: not small
+    ("Max", [None, 1], [[None, 64], [1]], False),             # unknown size
+    ("Softmax", [8, 1], [[8, 64]], False),                    # not a reduction
+])
+def test_reductions_saveable_keeps_small_reductions_only(op_type, shape, inputs, kept):
+    record = policies.OpOutput(op_type, None, None, tf.TensorShape(shape), tf.float32,
+                               tuple(tf.TensorShape(s) for s in inputs))
+    assert policies.reductions_saveable(record) is kept

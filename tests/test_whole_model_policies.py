@@ -16,6 +16,8 @@ from tf_checkpointing import policies
 from tf_checkpointing.planning import _choices
 
 DOTS, NO_BATCH = policies.dots_saveable, policies.dots_with_no_batch_dims_saveable
+# Offered first for every region of a graph or XLA plan (see plan_model).
+REDUCTIONS = policies.reductions_saveable
 
 
 def dense_heavy(width=32, blocks=3):
@@ -99,19 +101,20 @@ def test_the_planner_replays_under_a_policy_where_it_saves_time(monkeypatch, req
     x = tf.random.stateless_normal([256, 128], [0, 2])
     model(x)
     least = tc.plan_model(model, x, budget="min", mode="graph", policies="auto")
-    assert least.policies == (DOTS, NO_BATCH)
+    assert least.policies == (REDUCTIONS, DOTS, NO_BATCH)
     chose = False
     for fraction in (0.2, 0.4, 0.6, 0.8):
         budget = int(least.min_budget_bytes + fraction * (
             least.plain_peak_bytes - least.min_budget_bytes))
         without = tc.plan_model(model, x, budget=budget, mode="graph")
         mixed = tc.plan_model(model, x, budget=budget, mode="graph", policies="auto")
-        assert without.region_policies == () and without.policies == ()
+        assert without.policies == (REDUCTIONS,)
+        assert all(p in (None, REDUCTIONS) for p in without.region_policies)
         assert len(mixed.region_policies) == len(mixed.spans)
         assert mixed.predicted_peak_bytes <= budget
         # The same program with one more option per region: never more replay time.
         assert mixed.predicted_extra_seconds <= without.predicted_extra_seconds * (1 + 1e-9)
-        if any(p is not None for p in mixed.region_policies):
+        if any(p in (DOTS, NO_BATCH) for p in mixed.region_policies):
             chose = True
             assert mixed.predicted_extra_seconds < without.predicted_extra_seconds, (
                 str(mixed), str(without))
@@ -132,7 +135,7 @@ def test_apply_checkpointing_with_a_budget_and_policies_trains_like_plain():
     assert tc.apply_checkpointing(model, budget=budget, policies="auto") == [model]
     ours = _run(model, x, "function")
     plan = model.call.plan
-    assert plan.mode == "graph" and plan.policies == (DOTS, NO_BATCH) and plan.spans
+    assert plan.mode == "graph" and plan.policies == (REDUCTIONS, DOTS, NO_BATCH) and plan.spans
     assert plan.budget_bytes == budget and plan.predicted_peak_bytes <= budget
     assert_all_close(ours[0], plain[0], atol=1e-5)
     assert_all_close(ours[1], plain[1], atol=1e-5)

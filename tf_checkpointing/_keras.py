@@ -108,9 +108,10 @@ def apply_checkpointing(
         policy: passed to :func:`checkpointable`: a save policy
             (:mod:`tf_checkpointing.policies`) for the chosen layers (with
             ``select`` only).
-        policies: with ``budget``, the save policies the planner may replay each
-            region under (as for :func:`plan_model`): None (full replays only),
-            ``"auto"``, or a list of policies.
+        policies: with ``budget``, more save policies the planner may replay
+            each region under, besides ``policies.reductions_saveable`` (as for
+            :func:`plan_model`): None (none more), ``"auto"``, or a list of
+            policies.
 
     Returns:
         The layers now checkpointed, in model order (with ``budget`` or

@@ -36,6 +36,7 @@ import tensorflow as tf
 
 from tf_checkpointing import policies as _policies
 from tf_checkpointing.planning._allocator import planning_function
+from tf_checkpointing.planning._graph_profile import variable_ids
 from tf_checkpointing.planning._profile import layer_key
 
 __all__ = ["PolicyChoices", "expect_policies", "measure_choices"]
@@ -216,6 +217,8 @@ def step_extra_seconds(calls: dict[Any, Callable[[Any], Any]], x: Any, variables
     (``calls[reference]``) in
     the same round (each round runs every call once, in a rotating order): a
     difference taken within a round cancels most of a shared machine's drift."""
+    wanted = variable_ids(variables)
+
     def step_of(call: Callable[[Any], Any]) -> Callable[[Any], Any]:
         def step(x: Any) -> Any:
             sources = [t for t in tf.nest.flatten(x) if t.dtype.is_floating]
@@ -226,7 +229,11 @@ def step_extra_seconds(calls: dict[Any, Callable[[Any], Any]], x: Any, variables
                 # A gradient computed from the output: the replay has to wait for
                 # the forward, as in a chain (see the module docstring).
                 loss = tf.add_n([tf.reduce_sum(tf.square(y)) for y in outputs])
-            return tape.gradient(loss, sources + variables)
+            # What the tape watched of them: under a distribution strategy a
+            # mirrored variable cannot be differentiated outside a replica, the
+            # copy its read went through can.
+            watched = [v for v in tape.watched_variables() if id(v) in wanted]
+            return tape.gradient(loss, sources + watched)
 
         return planning_function(step, jit_compile=xla or None)
 

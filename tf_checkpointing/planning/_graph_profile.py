@@ -34,7 +34,7 @@ from tf_checkpointing.planning._layer_profile import (
 )
 from tf_checkpointing.planning._requested import requested_peak
 
-__all__: list[str] = []
+__all__ = ["variable_ids"]
 
 _GRAPH_RUNS = 5  # runs of each layer's graph; the profile keeps the median readings
 
@@ -223,7 +223,7 @@ def _backprop(tape: tf.GradientTape, x: Any, y: Any,
     if trainable is None:
         sources = leaves + watched
     else:  # what the tape watched of them (a mirrored variable's local copy)
-        handles = _handles(trainable)
+        handles = variable_ids(trainable)
         sources = [v for v in watched if id(v) in handles]
     return sources, tape.gradient(outputs, sources,
                                   output_gradients=[t if like_a_loss else tf.ones_like(t)
@@ -231,7 +231,7 @@ def _backprop(tape: tf.GradientTape, x: Any, y: Any,
                                   unconnected_gradients=tf.UnconnectedGradients.ZERO)
 
 
-def _handles(variables: Sequence[Any]) -> set[int]:
+def variable_ids(variables: Sequence[Any]) -> set[int]:
     """The ids of the TensorFlow variables behind Keras ``variables``: each one's
     own, and under a distribution strategy each replica's (outside a replica a
     mirrored variable cannot be differentiated, but the copy the tape watched can)."""

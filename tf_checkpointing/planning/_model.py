@@ -36,6 +36,7 @@ from tf_checkpointing.planning._xla import (
     model_anchor,
     plan_within,
 )
+from tf_checkpointing.policies import reductions_saveable
 
 __all__ = ["ModelPlan", "plan_model"]
 
@@ -68,12 +69,18 @@ def plan_model(model: Any, inputs: Any, *, budget: Budget, mode: str = "auto",
     :mod:`tf_checkpointing.planning._regions` for the algorithm). The model is
     not changed: pass the plan to ``apply_checkpointing(model, plan=plan)``.
 
-    With ``policies``, a region may also be replayed under a save policy: it
-    keeps what the policy picks inside it (the matrix products, say) besides
-    its inputs, and its replay skips those ops. Each distinct layer call is
-    measured under each policy (bytes kept, and its ``tf.function`` training
-    step timed as the chain planner times its layers), so planning takes longer;
-    in eager mode a policy keeps nothing, so ``policies`` is unused there.
+    A region of a ``tf.function`` or XLA plan may be replayed under a save
+    policy: it keeps what the policy picks inside it besides its inputs, and
+    its replay skips those ops. ``policies.reductions_saveable`` is always
+    offered: it keeps the results of reductions (a BatchNorm's batch mean and
+    variance, a LayerNorm's), which cost almost no memory, and spares the
+    replay the passes over the input that made them (the benchmark U-Net's
+    halfway plan took 1.25x plain replaying them, 1.13x keeping them).
+    ``policies`` offers more. Each distinct layer call that a policy keeps
+    something of is measured under each policy (bytes kept, and its training
+    step timed as the chain planner times its layers), and the program picks
+    per region the fastest replay that fits; in eager mode a policy keeps
+    nothing, so every region replays fully there.
 
     Args:
         model: a built functional or Sequential Keras model.
@@ -84,9 +91,9 @@ def plan_model(model: Any, inputs: Any, *, budget: Budget, mode: str = "auto",
             ``Model.fit``), ``"xla"`` (``jit_compile=True``), or ``"auto"``:
             ``"xla"`` or ``"graph"`` while such a function is traced, else
             ``"eager"``.
-        policies: the save policies a region may be replayed under: None (the
-            default: plain calls and full replays only), ``"auto"``
-            (``policies.dots_saveable`` and
+        policies: more save policies a region may be replayed under, besides
+            ``policies.reductions_saveable``: None (the default: none more),
+            ``"auto"`` (``policies.dots_saveable`` and
             ``policies.dots_with_no_batch_dims_saveable``), or a list of
             policies in which ``"auto"`` stands for those two, as for
             :func:`plan_sequential`.
@@ -152,6 +159,8 @@ def _plan_graph(graph: LayerGraph, inputs: Any, budget: Optional[int], *, mode: 
     if mode == "eager":  # a policy keeps nothing in eager mode: no choice
         policies = ()
         warn_eager_frozen(graph, api)
+    else:
+        policies = with_reductions(policies)
     profile, costs = cached_profile(graph, inputs, mode, api)
     if policies:
         choices = cached_choices(graph, inputs, mode, api, policies)
@@ -226,6 +235,15 @@ def _plan_graph(graph: LayerGraph, inputs: Any, budget: Optional[int], *, mode: 
         region_policies=tuple(policies[p] if p >= 0 else None for p in chosen)
         if policies else (),
         predicted_extra_seconds=region_model.extra_work(spans, chosen))
+
+
+def with_reductions(policies: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``policies`` with ``policies.reductions_saveable`` first: a region may
+    always keep its reductions' results (a BatchNorm's batch moments, a
+    LayerNorm's), which cost almost no memory and spare the replay the passes
+    that made them (the U-Net's halfway plan: 1.25x plain replaying them, 1.13x
+    keeping them; ResNet50's: 1.13x and 1.03x; measured 2026-11-25)."""
+    return (reductions_saveable,) + tuple(p for p in policies if p is not reductions_saveable)
 
 
 def _expect_layer_calls(graph: LayerGraph, api: str) -> None:
