@@ -42,16 +42,16 @@ __all__ = ["ModelPlan", "plan_model"]
 
 _API = "plan_model"
 _HEADROOM = 0.10
-# A tf.function step's allocator peak over its tensors' (the model's) peak. The BFC
-# allocator splits a free chunk only when it is at least twice the request, so
-# tensors occupy larger chunks; measured with the allocator's own events in fresh
-# processes, the chunks of 19 checkpointed plans of the four benchmark models peaked
-# 1.00-1.27x their tensors (GPT2Backbone 1.00-1.07, ResNet50 1.08-1.17 on its
-# budget plans, MobileNetV2 up to 1.22, the U-Net's least plan 1.27); the middle of
-# that range is the expected peak. (XLA's one buffer is its own size, and the plain
-# step's chunks are what the profile was calibrated on: no factor for either.) The
-# ratio moves by run too: a later run measured the same MobileNetV2 least plan at
-# 1.33x, and GPT2Backbone's plans at 1.01-1.04x (docs/whole-model.md, Limits).
+# A tf.function step's allocator peak over its tensors' (the model's) peak, for the
+# least plan. The BFC allocator splits a free chunk only when it is at least twice
+# the request, so tensors occupy larger chunks; measured with the allocator's own
+# events in fresh processes, the chunks of 19 checkpointed plans of the four
+# benchmark models peaked 1.00-1.27x their tensors (GPT2Backbone 1.00-1.07, ResNet50
+# 1.08-1.17 on its budget plans, MobileNetV2 up to 1.22, the U-Net's least plan
+# 1.27); the middle of that range is the expected peak. The ratio moves by run too:
+# a later run measured the same MobileNetV2 least plan at 1.33x. A plan between the
+# least and plain gets less of it (see chunk_factor): the plain step's chunks are
+# what the profile was calibrated on. (XLA's one buffer is its own size: no factor.)
 _CHUNKS = 1.10
 _MODES = ("auto", "eager", "graph", "xla")
 Budget = Union[int, float, str]
@@ -177,12 +177,15 @@ def _plan_graph(graph: LayerGraph, inputs: Any, budget: Optional[int], *, mode: 
         key, graph, inputs, least[1], model_least=least[0],
         model_plain=region_model.peak(()), plain_bytes=profile.plain_peak_bytes, api=api)
     chunks = _CHUNKS if mode == "graph" else 1.0
+    model_plain = region_model.peak(())
 
     def predict(model_bytes: float, checkpointed: bool = True) -> float:
         # The plain step's chunks are what the profile calibrated on: no factor.
         if anchor is not None:
             return anchor.predict(model_bytes)
-        return model_bytes * (chunks if checkpointed else 1.0)
+        if not checkpointed:
+            return model_bytes
+        return model_bytes * chunk_factor(model_bytes, model_plain, least[0], chunks)
 
     helps = anchor is None or anchor.helps
     least_spans, least_chosen = (least[1], least[2]) if helps else ((), ())
@@ -190,7 +193,7 @@ def _plan_graph(graph: LayerGraph, inputs: Any, budget: Optional[int], *, mode: 
     names = tuple(call.name for call in graph.calls)
     plan = ModelPlan(call_names=names, call_kinds=graph.kinds(), spans=(), mode=mode,
                      budget_bytes=budget,
-                     predicted_peak_bytes=int(predict(region_model.peak(()), False)),
+                     predicted_peak_bytes=int(predict(model_plain, False)),
                      plain_peak_bytes=plain_peak, min_budget_bytes=min(min_peak, plain_peak),
                      policies=policies, predicted_extra_seconds=0.0)
     measured: Optional[int] = None
@@ -214,7 +217,8 @@ def _plan_graph(graph: LayerGraph, inputs: Any, budget: Optional[int], *, mode: 
     else:
         usable = budget * (1 - _HEADROOM)
         if anchor is None:
-            found = solve(region_model, usable / chunks, nested=nested, with_policies=True)
+            limit = model_limit(usable, model_plain, least[0], chunks)
+            found = solve(region_model, limit, nested=nested, with_policies=True)
         else:  # chosen on the measured curve, and measured (see _xla.plan_within)
             def solve_for(limit: float) -> Optional[tuple]:
                 got = solve(region_model, limit, nested=nested, with_policies=True)
@@ -235,6 +239,51 @@ def _plan_graph(graph: LayerGraph, inputs: Any, budget: Optional[int], *, mode: 
         region_policies=tuple(policies[p] if p >= 0 else None for p in chosen)
         if policies else (),
         predicted_extra_seconds=region_model.extra_work(spans, chosen))
+
+
+def chunk_factor(model_bytes: float, plain_bytes: float, least_bytes: float,
+                 chunks: float = _CHUNKS) -> float:
+    """The allocator's chunks over the tensors, for a plan whose model peak is
+    ``model_bytes``: ``chunks`` at the least plan's peak (and below), falling in
+    proportion to the bytes the plan saves to 1 at plain's, whose chunks the
+    profile was calibrated on. A fixed factor counted the chunks of a plan that
+    runs most of the model plainly twice: the benchmark U-Net's plan at 75% of
+    the way to plain was predicted 12% above its median peak (its chunks held
+    its tensors within 3%), and its plans at 65-90% of the way 8-15% above.
+
+        >>> from tf_checkpointing.planning._model import chunk_factor
+        >>> chunk_factor(60.0, plain_bytes=100.0, least_bytes=20.0, chunks=1.1)
+        1.05
+    """
+    if plain_bytes <= least_bytes:
+        return chunks
+    share_saved = (plain_bytes - model_bytes) / (plain_bytes - least_bytes)
+    return 1 + (chunks - 1) * min(1.0, max(0.0, share_saved))
+
+
+def model_limit(usable: float, plain_bytes: float, least_bytes: float,
+                chunks: float = _CHUNKS) -> float:
+    """The largest model peak ``m`` whose predicted step,
+    ``m * chunk_factor(m, ...)``, and that of every smaller peak, is at most
+    ``usable``: the limit the region program plans to.
+
+        >>> from tf_checkpointing.planning._model import model_limit
+        >>> round(model_limit(63.0, plain_bytes=100.0, least_bytes=20.0, chunks=1.1), 6)
+        60.0
+    """
+    if usable <= least_bytes * chunks or plain_bytes <= least_bytes or chunks == 1:
+        return usable / chunks
+    # Between the least and plain the prediction is m * (1 + a (plain - m)), a
+    # parabola that rises to its vertex and falls after; it is below usable at
+    # the least, so the first crossing above it is the smaller root, if that
+    # root is above the least (else, past the vertex, it never crosses again).
+    a = (chunks - 1) / (plain_bytes - least_bytes)
+    b = 1 + a * plain_bytes
+    discriminant = b * b - 4 * a * usable
+    if discriminant < 0:  # the prediction stays below usable up to plain
+        return plain_bytes
+    crossing = (b - math.sqrt(discriminant)) / (2 * a)
+    return min(plain_bytes, crossing) if crossing >= least_bytes else plain_bytes
 
 
 def with_reductions(policies: tuple[Any, ...]) -> tuple[Any, ...]:
