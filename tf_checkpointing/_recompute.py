@@ -169,7 +169,14 @@ class _Replay:
         for i, tensor in zip(self.positions, inputs):
             leaves[i] = tensor
         args, kwargs = self.flat.pack(leaves)
-        with self.saver.active(inputs):  # keeps (forward) or reuses (replay) a policy's picks
+        # A replay's kept tensors wait for what the replay's inputs wait for: the
+        # incoming gradient. A region of integer inputs alone (token ids) has no
+        # differentiable input; its integer leaves made to wait (``after_gradient``)
+        # carry the wait instead, or the ops reading only kept tensors and weights
+        # would be the forward's ops, held until the backward.
+        waiting = list(inputs) if others is None else [*inputs, *(
+            leaf for leaf, before in zip(others, self.leaves) if leaf is not before)]
+        with self.saver.active(waiting):  # keeps (forward) or reuses (replay) a policy's picks
             return self.fn(*args, **kwargs)
 
     def _seeded(self) -> Any:
