@@ -49,9 +49,10 @@ _HEADROOM = 0.10
 # benchmark models peaked 1.00-1.27x their tensors (GPT2Backbone 1.00-1.07, ResNet50
 # 1.08-1.17 on its budget plans, MobileNetV2 up to 1.22, the U-Net's least plan
 # 1.27); the middle of that range is the expected peak. The ratio moves by run too:
-# a later run measured the same MobileNetV2 least plan at 1.33x. A plan between the
-# least and plain gets less of it (see chunk_factor): the plain step's chunks are
-# what the profile was calibrated on. (XLA's one buffer is its own size: no factor.)
+# a later run measured the same MobileNetV2 least plan at 1.33x. Plans are chosen
+# with it; a plan between the least and plain is predicted with less of it (see
+# chunk_factor): the plain step's chunks are what the profile was calibrated on.
+# (XLA's one buffer is its own size: no factor.)
 _CHUNKS = 1.10
 _MODES = ("auto", "eager", "graph", "xla")
 Budget = Union[int, float, str]
@@ -217,8 +218,11 @@ def _plan_graph(graph: LayerGraph, inputs: Any, budget: Optional[int], *, mode: 
     else:
         usable = budget * (1 - _HEADROOM)
         if anchor is None:
-            limit = model_limit(usable, model_plain, least[0], chunks)
-            found = solve(region_model, limit, nested=nested, with_policies=True)
+            # Chosen with the least plan's factor, predicted with the plan's own:
+            # the gap is a margin for the model's errors (a U-Net plan chosen with
+            # the plan's own factor had tensors 10% above the model and peaked at
+            # 1.09x its budget; the least plan's factor kept every plan within).
+            found = solve(region_model, usable / chunks, nested=nested, with_policies=True)
         else:  # chosen on the measured curve, and measured (see _xla.plan_within)
             def solve_for(limit: float) -> Optional[tuple]:
                 got = solve(region_model, limit, nested=nested, with_policies=True)
@@ -246,9 +250,10 @@ def chunk_factor(model_bytes: float, plain_bytes: float, least_bytes: float,
     """The allocator's chunks over the tensors, for a plan whose model peak is
     ``model_bytes``: ``chunks`` at the least plan's peak (and below), falling in
     proportion to the bytes the plan saves to 1 at plain's, whose chunks the
-    profile was calibrated on. A fixed factor counted the chunks of a plan that
-    runs most of the model plainly twice: the benchmark U-Net's plan at 75% of
-    the way to plain was predicted 12% above its median peak (its chunks held
+    profile was calibrated on. The predicted peak; plans are chosen with
+    ``chunks`` itself (a margin). A fixed factor counted the chunks of a plan
+    that runs most of the model plainly twice: the benchmark U-Net's plan at 75%
+    of the way to plain was predicted 12% above its median peak (its chunks held
     its tensors within 3%), and its plans at 65-90% of the way 8-15% above.
 
         >>> from tf_checkpointing.planning._model import chunk_factor
@@ -259,31 +264,6 @@ def chunk_factor(model_bytes: float, plain_bytes: float, least_bytes: float,
         return chunks
     share_saved = (plain_bytes - model_bytes) / (plain_bytes - least_bytes)
     return 1 + (chunks - 1) * min(1.0, max(0.0, share_saved))
-
-
-def model_limit(usable: float, plain_bytes: float, least_bytes: float,
-                chunks: float = _CHUNKS) -> float:
-    """The largest model peak ``m`` whose predicted step,
-    ``m * chunk_factor(m, ...)``, and that of every smaller peak, is at most
-    ``usable``: the limit the region program plans to.
-
-        >>> from tf_checkpointing.planning._model import model_limit
-        >>> round(model_limit(63.0, plain_bytes=100.0, least_bytes=20.0, chunks=1.1), 6)
-        60.0
-    """
-    if usable <= least_bytes * chunks or plain_bytes <= least_bytes or chunks == 1:
-        return usable / chunks
-    # Between the least and plain the prediction is m * (1 + a (plain - m)), a
-    # parabola that rises to its vertex and falls after; it is below usable at
-    # the least, so the first crossing above it is the smaller root, if that
-    # root is above the least (else, past the vertex, it never crosses again).
-    a = (chunks - 1) / (plain_bytes - least_bytes)
-    b = 1 + a * plain_bytes
-    discriminant = b * b - 4 * a * usable
-    if discriminant < 0:  # the prediction stays below usable up to plain
-        return plain_bytes
-    crossing = (b - math.sqrt(discriminant)) / (2 * a)
-    return min(plain_bytes, crossing) if crossing >= least_bytes else plain_bytes
 
 
 def with_reductions(policies: tuple[Any, ...]) -> tuple[Any, ...]:
