@@ -174,11 +174,11 @@ def _plan_graph(graph: LayerGraph, inputs: Any, budget: Optional[int], *, mode: 
     plain_peak = profile.plain_peak_bytes
     # For XLA, the model's peaks are mapped onto two measured XLA steps (see _xla).
     key = profile_key(graph, inputs, mode)
+    model_plain = region_model.peak(())
     anchor = None if mode != "xla" else model_anchor(
         key, graph, inputs, least[1], model_least=least[0],
-        model_plain=region_model.peak(()), plain_bytes=profile.plain_peak_bytes, api=api)
+        model_plain=model_plain, plain_bytes=profile.plain_peak_bytes, api=api)
     chunks = _CHUNKS if mode == "graph" else 1.0
-    model_plain = region_model.peak(())
 
     def predict(model_bytes: float, checkpointed: bool = True) -> float:
         # The plain step's chunks are what the profile calibrated on: no factor.
