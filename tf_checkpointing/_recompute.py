@@ -174,7 +174,7 @@ class _Replay:
         # differentiable input; its integer leaves made to wait (``after_gradient``)
         # carry the wait instead, or the ops reading only kept tensors and weights
         # would be the forward's ops, held until the backward.
-        waiting = list(inputs) if others is None else [*inputs, *(
+        waiting = inputs if others is None else [*inputs, *(
             leaf for leaf, before in zip(others, self.leaves) if leaf is not before)]
         with self.saver.active(waiting):  # keeps (forward) or reuses (replay) a policy's picks
             return self.fn(*args, **kwargs)
