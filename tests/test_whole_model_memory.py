@@ -277,3 +277,37 @@ def test_the_least_plan_predicts_its_tensors_where_batchnorm_backward_peaks():
     r = json.loads(_run(BATCHNORM_REPLAY).split("RESULT", 1)[1])
     worst = max(r["tensors"])
     assert abs(r["model"] / worst - 1) <= 0.05, r
+
+
+WEIGHTS_SCRIPT = STEP + textwrap.dedent("""
+    keras.utils.set_random_seed(0)
+    x_in = keras.Input((256,))
+    h = x_in
+    for i in range(4):  # 4 MiB kernels, 32 KiB activations
+        h = keras.layers.Dense(1024, activation="relu", name=f"dense{i}")(h)
+    model = keras.Model(x_in, keras.layers.Dense(1, name="head")(h))
+    x = tf.random.normal([8, 256])
+    model(x)
+    plan = tc.plan_model(model, x, budget="min", mode="graph")
+    tc.apply_checkpointing(model, plan=plan)
+    step = make_step(model)
+    step(x)
+    peaks = sorted(tc.peak_memory(lambda: step(x).numpy()) for _ in range(5))
+    print("RESULT", json.dumps({"predicted": plan.predicted_peak_bytes, "median": peaks[2],
+                                "kernel": 1024 * 1024 * 4}))
+""")
+
+
+@pytest.mark.slow
+def test_a_plan_counts_the_weight_an_update_copies():
+    # A step updates a weight as soon as its gradient exists, while the input
+    # gradient may still read the weight's value, so the update copies the
+    # weight: a 4 MiB kernel beside its 4 MiB gradient, 8 MiB. Before the planner
+    # counted that copy, it predicted 4.6 MiB for a step measured at 12.1 (median
+    # of 5); now 6-8 (its profile's readings vary). Steps measure 8-12 MiB: how
+    # many layers' gradients and copies overlap is the executor's choice, which
+    # the planner does not model, so only the floor is asserted.
+    r = json.loads(_run(WEIGHTS_SCRIPT).split("RESULT", 1)[1])
+    message = {k: round(v / 2**20, 2) for k, v in r.items()}
+    assert r["predicted"] >= 1.5 * r["kernel"], message
+    assert r["median"] >= 2 * r["kernel"], message  # the copy is there to count
