@@ -150,6 +150,7 @@ def table(rows: list[dict]) -> str:
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
     for r in rows:
         least, half = r["least"], r["halfway"]
+        state_ok = max(least["state_error_x_tolerance"], half["state_error_x_tolerance"]) <= 1
         lines.append(
             f"| {r['model']} | {r['mode']} | {r['plain_mib']:.1f} | "
             f"{least['measured_mib'] / r['plain_mib']:.2f} | "
@@ -158,7 +159,7 @@ def table(rows: list[dict]) -> str:
             f"{half['measured_mib'] / half['predicted_mib']:.2f} | "
             f"{least['measured_mib'] / max(least['tensors_mib'], 1e-9):.2f} | "
             f"{max(least['grad_error_x_rounding'], half['grad_error_x_rounding']):.1f} | "
-            f"{'yes' if max(least['state_error_x_tolerance'], half['state_error_x_tolerance']) <= 1 else 'NO'} | "
+            f"{'yes' if state_ok else 'NO'} | "
             f"{least['plan_s']:.0f} |")
     return "\n".join(lines) + "\n"
 
