@@ -141,21 +141,32 @@ def graph_plain_peak(calls, x, device, jit_compile: bool = False,
                      applied: bool = False,
                      trainable: Optional[Sequence[Any]] = None) -> int:
     """Peak of the chain's plain forward and backward as one ``tf.function``
-    (with ``applied``: each gradient consumed at once, as by an optimizer). The
-    gradients are of the inputs and every variable the tape watched, or, given
-    ``trainable``, of those variables only, as ``Model.fit`` asks for them: a
-    graph then keeps nothing for the calls of a frozen backbone (whose
-    variables the tape still watches).
+    (with ``applied``: each weight gradient consumed at once by an SGD update,
+    as by an optimizer; their values are put back after). The gradients are of
+    the inputs and every variable the tape watched, or, given ``trainable``, of
+    those variables only, as ``Model.fit`` asks for them: a graph then keeps
+    nothing for the calls of a frozen backbone (whose variables the tape still
+    watches).
 
-    An XLA step (``jit_compile``) is measured as a training step: the gradient
-    of a loss (half the outputs' sum of squares) and, ``applied``, an SGD
-    update of each variable (their values are put back after). XLA schedules
-    the whole step as one program, and both move its buffer: ResNet50's plans
-    measured 17 MiB (5%) below a step with Keras' SGD when their gradients were
-    only summed, and a U-Net plan 11% above it with an output gradient of ones
-    (measured 2026-11-25); with both, the same bytes as Keras' SGD step."""
+    Why a real update: an update makes ``learning_rate * grad`` (a temporary of
+    the weight's size) and, while the layer's input gradient still reads the
+    weight, a copy of the weight (a variable's buffer still read is copied on
+    write). A step whose gradients were only summed measured 8-23% below
+    ``Model.fit``'s step (keras.applications models at 96x96, batch 8:
+    InceptionV3 59 MiB against 77), and the plans calibrated to it overran
+    their budgets (MobileNetV3Small, plain fit step 42.1 MiB: read at 37.4, so
+    plain was taken to fit a 40.8 MiB budget, and its steps peaked at
+    42.6-44.0). With the update: read at 42.4 (InceptionV3 at 63-68), and the
+    40.8 MiB plan's steps peaked at 29.3-31.8, predicted 28.4.
+
+    An XLA step (``jit_compile``) is measured as a training step too: the
+    gradient of a loss (half the outputs' sum of squares) and the update. XLA
+    schedules the whole step as one program, and both move its buffer:
+    ResNet50's plans measured 17 MiB (5%) below a step with Keras' SGD when their
+    gradients were only summed, and a U-Net plan 11% above it with an output
+    gradient of ones (measured 2026-11-25); with both, the same bytes as Keras'
+    SGD step."""
     updated: list[tf.Variable] = []  # filled when traced: the variables the step updates
-    sgd = jit_compile and applied
 
     def chain(x: Any) -> list[Any]:
         tape, y = taped(lambda x: run_all(calls, x), x, watch=trainable is None)
@@ -167,7 +178,7 @@ def graph_plain_peak(calls, x, device, jit_compile: bool = False,
             return grads + losses
         consumed = []
         for source, grad in zip(sources, grads):
-            if sgd and isinstance(source, tf.Variable):
+            if isinstance(source, tf.Variable):
                 updated.append(source)
                 _sgd_update(source, grad)
             else:
