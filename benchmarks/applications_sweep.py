@@ -5,21 +5,24 @@ that the whole-model benchmark does not tune for.
     python benchmarks/applications_sweep.py --models ResNet50V2,MobileNet --modes graph,xla
 
 Each model is built from its constructor (``weights=None``, 96x96, 10 classes, batch
-8) in a fresh process whose CPU pool is grown first (``_memory.grow_cpu_pool``), and
-planned in that process as a user's first training call plans it: the least plan
-(``budget="min"``), then a budget halfway between the least and plain. For plain and
-each plan it records
+8), every process growing its CPU pool first (``_memory.grow_cpu_pool``: one region,
+as a GPU's pool is). Per model:
 
-* the gradient of every trainable variable and the BatchNorm statistics after one step
-  (a ``tf.function`` returning the gradients), against plain's. The gradient error is
-  given as a multiple of plain's own rounding: how far plain's eager gradients are from
-  its ``tf.function`` ones (about 1 means the same rounding as plain itself; many of
-  these models are ill-conditioned at their random initialisation, Xception's plain
-  gradients differ by 0.4% of their size between eager and ``tf.function``);
-* the peak of an SGD training step (gradients consumed by the update, as ``fit`` does):
-  the allocator's chunks (median of three steps) and the tensors' bytes
-  (``planning._requested``), against the plan's prediction and budget;
-* the planning time.
+* one process checks exactness: the least plan (``budget="min"``) and a budget halfway
+  between the least and plain, each made with ``plan_model`` and applied, against
+  plain: the gradient of every trainable variable and the BatchNorm statistics after
+  one step (a ``tf.function`` returning the gradients). The gradient error is given as
+  a multiple of plain's own rounding: how far plain's eager gradients are from its
+  ``tf.function`` ones (about 1 means the same rounding as plain itself; many of these
+  models are ill-conditioned at their random initialisation: Xception's plain
+  gradients at batch 4 differ between eager and ``tf.function`` by up to 0.4% of a
+  variable's largest gradient). It also times the planning;
+* three more processes train as a user does, each on its own: plain,
+  ``apply_checkpointing(model, budget="min")`` and ``apply_checkpointing(model,
+  budget=<the halfway budget>)``, then ``compile`` and ``fit`` (SGD), which plans on its
+  first step; a callback reads the allocator's peak of each of the next seven steps
+  (above what was allocated before the step). The plan made there gives the
+  prediction; "peak" is the median step, the budget check takes the largest.
 
 Writes ``applications_sweep.json`` and ``.md`` to the output directory.
 """
@@ -43,17 +46,17 @@ from benchmarks import _cli  # noqa: E402 - TensorFlow's environment, before it 
 MODELS = ("MobileNetV3Small", "MobileNet", "EfficientNetV2B0", "ResNet50V2", "InceptionV3",
           "Xception", "ConvNeXtTiny", "DenseNet121", "VGG16")
 MIB = 2**20
+FIT_STEPS = 7  # steps measured after the first (which plans)
 
 
 def worker(name: str, mode: str, size: int, batch: int) -> dict:
-    """One model in this process: plain, the least plan and the halfway plan."""
+    """Exactness and planning time: the least and halfway plans against plain."""
     import keras
     import numpy as np
     import tensorflow as tf
 
     import tf_checkpointing as tc
     from tf_checkpointing._memory import grow_cpu_pool
-    from tf_checkpointing.planning._requested import requested_peak
 
     grow_cpu_pool()
     keras.utils.set_random_seed(0)
@@ -86,82 +89,111 @@ def worker(name: str, mode: str, size: int, batch: int) -> dict:
         reset()
         return grads, state
 
-    def peaks() -> tuple[float, float]:
-        optimizer = keras.optimizers.SGD(0.01)
-        optimizer.build(model.trainable_variables)
-
-        @tf.function(jit_compile=mode == "xla")
-        def train() -> Any:
-            with tf.GradientTape() as tape:
-                loss = loss_of()
-            optimizer.apply(tape.gradient(loss, model.trainable_variables),
-                            model.trainable_variables)
-            return loss
-        train()
-        chunks = []
-        for _ in range(3):
-            reset()
-            chunks.append(tc.peak_memory(lambda: train().numpy()))
-        reset()
-        tensors = requested_peak(lambda: train().numpy()) or 0
-        reset()
-        return float(np.median(chunks)), float(tensors)
-
     def max_error(a: list, b: list) -> float:
         return max((float(np.abs(p - q).max()) for p, q in zip(a, b) if p.size), default=0.0)
 
     plain_grads, plain_state = gradients(mode)
     rounding = max_error(gradients("eager")[0], gradients("graph")[0])
-    plain_chunks, plain_tensors = peaks()
     row: dict[str, Any] = dict(model=name, mode=mode, size=size, batch=batch,
-                               plain_mib=plain_chunks / MIB, plain_tensors_mib=plain_tensors / MIB,
                                plain_rounding=rounding)
 
-    def measure(tag: str, budget: Any) -> Any:
+    def check(tag: str, budget: Any) -> Any:
         started = time.perf_counter()
         plan = tc.plan_model(model, x, budget=budget, mode="xla" if mode == "xla" else "graph")
         planned = time.perf_counter() - started
         tc.apply_checkpointing(model, plan=plan)
         reset()
         grads, state = gradients(mode)
-        chunks, tensors = peaks()
         state_error = max(((np.abs(a - b) / (1e-5 + 1e-5 * np.abs(b))).max()
                            for a, b in zip(state, plain_state) if a.size), default=0.0)
         row[tag] = dict(
             plan_s=planned, regions=len(plan.spans),
-            budget_mib=None if budget == "min" else budget / MIB,
-            least_budget_mib=plan.min_budget_bytes / MIB,
-            predicted_mib=plan.predicted_peak_bytes / MIB, measured_mib=chunks / MIB,
-            tensors_mib=tensors / MIB,
             grad_error_x_rounding=max_error(grads, plain_grads) / max(rounding, 1e-30),
             state_error_x_tolerance=float(state_error))
         return plan
 
-    least = measure("least", "min")
-    measure("halfway", (least.min_budget_bytes + least.plain_peak_bytes) // 2)
+    least = check("least", "min")
+    row["halfway_budget"] = (least.min_budget_bytes + least.plain_peak_bytes) // 2
+    check("halfway", row["halfway_budget"])
+    return row
+
+
+def fit_worker(name: str, mode: str, size: int, batch: int, budget: str) -> dict:
+    """As a user trains: ``apply_checkpointing(model, budget=...)`` (none for
+    ``"plain"``), ``compile``, ``fit``, which plans on its first step; the
+    allocator's peak of each later step, read by a callback."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import tf_checkpointing as tc
+    from tf_checkpointing._memory import grow_cpu_pool
+
+    grow_cpu_pool()
+    keras.utils.set_random_seed(0)
+    model = getattr(keras.applications, name)(weights=None, input_shape=(size, size, 3),
+                                              classes=10)
+    if budget != "plain":
+        tc.apply_checkpointing(model, budget="min" if budget == "min" else int(budget))
+    model.compile(keras.optimizers.SGD(0.01), "sparse_categorical_crossentropy",
+                  jit_compile=mode == "xla")
+    steps = 1 + FIT_STEPS
+    x = np.random.default_rng(0).random((batch * steps, size, size, 3), np.float32)
+    y = np.arange(batch * steps) % 10
+    peaks: list[float] = []
+
+    class Peaks(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+            tf.config.experimental.reset_memory_stats("CPU:0")
+            self.start = tf.config.experimental.get_memory_info("CPU:0")["current"]
+
+        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+            info = tf.config.experimental.get_memory_info("CPU:0")
+            peaks.append((info["peak"] - self.start) / MIB)
+
+    started = time.perf_counter()
+    model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False, callbacks=[Peaks()])
+    row: dict[str, Any] = dict(budget=budget, peaks_mib=peaks[1:],  # the first step plans
+                               peak_mib=float(np.median(peaks[1:])), max_mib=max(peaks[1:]),
+                               fit_s=time.perf_counter() - started)
+    plan = getattr(model.call, "plan", None)
+    if plan is not None:
+        row.update(predicted_mib=plan.predicted_peak_bytes / MIB,
+                   budget_mib=plan.budget_bytes / MIB if budget != "min" else
+                   plan.min_budget_bytes / MIB,
+                   least_budget_mib=plan.min_budget_bytes / MIB,
+                   planned_plain_mib=plan.plain_peak_bytes / MIB)
     return row
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| model | mode | plain MiB | least: measured x plain | least: measured / "
-             "predicted | halfway: measured / budget | halfway: measured / predicted | "
-             "chunks / tensors (least) | grad error x plain's rounding | BatchNorm stats "
-             "within 1e-5 | planning s (least) |",
+    lines = ["| model | mode | plain MiB | least: peak x plain | least: peak / predicted | "
+             "halfway: budget MiB | halfway: largest step / budget | halfway: peak / "
+             "predicted | grad error x plain's rounding | BatchNorm stats within 1e-5 | "
+             "planning s (least) |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
     for r in rows:
-        least, half = r["least"], r["halfway"]
-        state_ok = max(least["state_error_x_tolerance"], half["state_error_x_tolerance"]) <= 1
+        plain, least, half = r["fit"]["plain"], r["fit"]["least"], r["fit"]["halfway"]
+        state_ok = max(r["least"]["state_error_x_tolerance"],
+                       r["halfway"]["state_error_x_tolerance"]) <= 1
+        grad_error = max(r["least"]["grad_error_x_rounding"],
+                         r["halfway"]["grad_error_x_rounding"])
         lines.append(
-            f"| {r['model']} | {r['mode']} | {r['plain_mib']:.1f} | "
-            f"{least['measured_mib'] / r['plain_mib']:.2f} | "
-            f"{least['measured_mib'] / least['predicted_mib']:.2f} | "
-            f"{half['measured_mib'] / half['budget_mib']:.2f} | "
-            f"{half['measured_mib'] / half['predicted_mib']:.2f} | "
-            f"{least['measured_mib'] / max(least['tensors_mib'], 1e-9):.2f} | "
-            f"{max(least['grad_error_x_rounding'], half['grad_error_x_rounding']):.1f} | "
-            f"{'yes' if state_ok else 'NO'} | "
-            f"{least['plan_s']:.0f} |")
+            f"| {r['model']} | {r['mode']} | {plain['peak_mib']:.1f} | "
+            f"{least['peak_mib'] / plain['peak_mib']:.2f} | "
+            f"{least['peak_mib'] / least['predicted_mib']:.2f} | "
+            f"{half['budget_mib']:.1f} | {half['max_mib'] / half['budget_mib']:.2f} | "
+            f"{half['peak_mib'] / half['predicted_mib']:.2f} | {grad_error:.1f} | "
+            f"{'yes' if state_ok else 'NO'} | {r['least']['plan_s']:.0f} |")
     return "\n".join(lines) + "\n"
+
+
+def _run(*arguments: str) -> dict:
+    command = [sys.executable, __file__, *arguments]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(arguments)}: failed\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -171,21 +203,29 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=96)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--worker", nargs=2, metavar=("MODEL", "MODE"), help=argparse.SUPPRESS)
+    parser.add_argument("--fit", nargs=3, metavar=("MODEL", "MODE", "BUDGET"),
+                        help=argparse.SUPPRESS)
     _cli.add_output_arguments(parser)
     args = parser.parse_args()
+    shape = ("--size", str(args.size), "--batch", str(args.batch))
     if args.worker:
         print(json.dumps(worker(*args.worker, args.size, args.batch)))
+        return
+    if args.fit:
+        print(json.dumps(fit_worker(*args.fit[:2], args.size, args.batch, args.fit[2])))
         return
     rows = []
     for name in args.models.split(","):
         for mode in args.modes.split(","):
-            command = [sys.executable, __file__, "--worker", name, mode,
-                       "--size", str(args.size), "--batch", str(args.batch)]
-            done = subprocess.run(command, capture_output=True, text=True, check=False)
-            if done.returncode != 0:
-                print(f"{name} {mode}: failed\n{done.stderr[-3000:]}", file=sys.stderr)
+            try:
+                row = _run("--worker", name, mode, *shape)
+                row["fit"] = {tag: _run("--fit", name, mode, budget, *shape) for tag, budget in
+                              (("plain", "plain"), ("least", "min"),
+                               ("halfway", str(row["halfway_budget"])))}
+            except RuntimeError as error:
+                print(error, file=sys.stderr)
                 continue
-            rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+            rows.append(row)
             print(json.dumps(rows[-1]), flush=True)
     out = _cli.output_dir(args)
     out.mkdir(parents=True, exist_ok=True)

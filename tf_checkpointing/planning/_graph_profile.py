@@ -157,10 +157,10 @@ def graph_plain_peak(calls, x, device, jit_compile: bool = False,
     Why a real update: an update makes ``learning_rate * grad`` (a temporary of
     the weight's size) and, while the layer's input gradient still reads the
     weight, a copy of the weight (a variable's buffer still read is copied on
-    write). A step whose gradients were only summed measured 8-23% below
+    write). A step whose gradients were only summed measured 3-23% below
     ``Model.fit``'s step (keras.applications models at 96x96, batch 8:
-    InceptionV3 59 MiB against 77), and the plans calibrated to it overran
-    their budgets (MobileNetV3Small, plain fit step 42.1 MiB: read at 37.4, so
+    InceptionV3 59 MiB against 77), and a plan calibrated to it overran its
+    budget (MobileNetV3Small, plain fit step 42.1 MiB: read at 37.4, so
     plain was taken to fit a 40.8 MiB budget, and its steps peaked at
     42.6-44.0). With the update: read at 42.4 (InceptionV3 at 63-68), and the
     40.8 MiB plan's steps peaked at 29.3-31.8, predicted 28.4.
