@@ -167,11 +167,11 @@ def fit_worker(name: str, mode: str, size: int, batch: int, budget: str) -> dict
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| model | mode | plain MiB | least: peak x plain | least: peak / predicted | "
-             "halfway: budget MiB | halfway: largest step / budget | halfway: peak / "
-             "predicted | grad error x plain's rounding | BatchNorm stats within 1e-5 | "
-             "planning s (least) |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
+    lines = ["| model | mode | plain MiB | least: peak x plain | least: largest step / least "
+             "budget | least: peak / predicted | halfway: budget MiB | halfway: largest step "
+             "/ budget | halfway: peak / predicted | grad error x plain's rounding | "
+             "BatchNorm stats within 1e-5 | planning s (least) |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
     for r in rows:
         plain, least, half = r["fit"]["plain"], r["fit"]["least"], r["fit"]["halfway"]
         state_ok = max(r["least"]["state_error_x_tolerance"],
@@ -181,6 +181,7 @@ def table(rows: list[dict]) -> str:
         lines.append(
             f"| {r['model']} | {r['mode']} | {plain['peak_mib']:.1f} | "
             f"{least['peak_mib'] / plain['peak_mib']:.2f} | "
+            f"{least['max_mib'] / least['least_budget_mib']:.2f} | "
             f"{least['peak_mib'] / least['predicted_mib']:.2f} | "
             f"{half['budget_mib']:.1f} | {half['max_mib'] / half['budget_mib']:.2f} | "
             f"{half['peak_mib'] / half['predicted_mib']:.2f} | {grad_error:.1f} | "

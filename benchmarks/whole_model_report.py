@@ -31,6 +31,12 @@ def _plain(rows: list[dict], model: str, xla: bool) -> Optional[dict]:
                  and r.get("xla") == xla and "peak_mib" in r), None)
 
 
+def _speed(row: dict, plain: dict) -> float:
+    """Step time x plain: the interleaved rounds' median where they ran (one process
+    timing both, so the machine's load cancels), else the two processes' medians."""
+    return row.get("step_x_plain_interleaved") or row["step_s"] / plain["step_s"]
+
+
 def _fmt(value: Any, spec: str = ".1f") -> str:
     return "-" if value is None else format(value, spec)
 
@@ -44,8 +50,7 @@ def table(rows: list[dict]) -> str:
             continue
         plain = _plain(rows, r["model"], r.get("xla", False))
         ratio = r["peak_mib"] / plain["peak_mib"] if plain else None
-        speed = r.get("step_x_plain_interleaved") or (
-            r["step_s"] / plain["step_s"] if plain else None)
+        speed = _speed(r, plain) if plain else None
         pred = r.get("predicted_mib")
         tensors = r.get("tensor_peak_mib")
         batch = f" (batch {r['batch']})" if "batch" in r else ""
@@ -100,14 +105,13 @@ def targets(rows: list[dict], parallel: int = 1) -> list[tuple[str, str, bool]]:
     for model in sorted({r["model"] for r in rows}):
         half, plain = row(model, "budget 0.50"), _plain(rows, model, False)
         if half and plain:
-            speed = half.get("step_x_plain_interleaved") or half["step_s"] / plain["step_s"]
+            speed = _speed(half, plain)
             out.append((f"{model}: halfway budget step time <= 1.2x plain", f"{speed:.2f}x",
                         speed <= 1.2))
     for r in rows:  # policies on the decoder at half the plain peak
         if r["strategy"] == "budget 1/2 plain policies=auto" and "peak_mib" in r:
             plain = _plain(rows, r["model"], False)
-            speed = r.get("step_x_plain_interleaved") or (
-                r["step_s"] / plain["step_s"] if plain else float("nan"))
+            speed = _speed(r, plain) if plain else float("nan")
             out.append((f"{r['model']}: budget 1/2 plain with policies: step <= 1.15x plain "
                         "within the budget", f"{speed:.2f}x, peak "
                         f"{r['peak_mib'] / r['budget_mib']:.2f}x budget",
@@ -160,7 +164,7 @@ def _plot(rows: list[dict], path: Path) -> None:
                 and r.get("fraction") is not None]
         mine.sort(key=lambda r: r["fraction"])
         ax.plot([r["peak_mib"] / plain["peak_mib"] for r in mine],
-                [r["step_s"] / plain["step_s"] for r in mine], "o-", label="budget plans")
+                [_speed(r, plain) for r in mine], "o-", label="budget plans")
         for r in rows:
             if r["model"] != model or r.get("xla") or "peak_mib" not in r or r in mine:
                 continue
@@ -168,7 +172,7 @@ def _plot(rows: list[dict], path: Path) -> None:
                 continue
             marker = "s" if r["strategy"] == "plain" else ("D" if "hand" in r["strategy"]
                                                             else "x")
-            ax.plot(r["peak_mib"] / plain["peak_mib"], r["step_s"] / plain["step_s"], marker,
+            ax.plot(r["peak_mib"] / plain["peak_mib"], _speed(r, plain), marker,
                     label=r["strategy"])
         ax.set_title(model)
         ax.set_xlabel("peak memory x plain")

@@ -262,7 +262,7 @@ BATCHNORM_REPLAY = STEP + textwrap.dedent("""
     tc.apply_checkpointing(model, plan=plan)
     step = make_step(model)
     step(data)
-    tensors = [requested_peak(lambda: step(data).numpy()) for _ in range(3)]
+    tensors = [requested_peak(lambda: step(data).numpy()) for _ in range(12)]
     print("RESULT", json.dumps(dict(model=plan.predicted_peak_bytes / _model._CHUNKS,
                                     tensors=tensors)))
 """)
@@ -273,10 +273,14 @@ def test_the_least_plan_predicts_its_tensors_where_batchnorm_backward_peaks():
     # A replayed BatchNorm's output is freed before its backward makes three
     # temporaries its size; the model read the backward above its output and
     # predicted this plan's tensors 13-19% low (MobileNetV2's least plan: 96 MiB
-    # against 123). The executor's order moves the peak: the model is of the worst.
+    # against 123). The executor's order moves the peak: 27.3-28.3 MB in most
+    # steps, 32.5-33.6 in about one in eight. The model is of the worst order
+    # (33.6 MB), so it is asserted not below the worst of twelve steps (the bug
+    # was 13-19% below) and at most 25% above it (twelve steps may all have
+    # taken the better order: 33.6 / 27.3 = 1.23).
     r = json.loads(_run(BATCHNORM_REPLAY).split("RESULT", 1)[1])
     worst = max(r["tensors"])
-    assert abs(r["model"] / worst - 1) <= 0.05, r
+    assert 0.95 <= r["model"] / worst <= 1.25, r
 
 
 WEIGHTS_SCRIPT = STEP + textwrap.dedent("""
