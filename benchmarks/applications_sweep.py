@@ -189,6 +189,16 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def report(rows: list[dict]) -> str:
+    """The table under a heading that says what was run (see the module docstring)."""
+    shape = f"{rows[0]['size']}x{rows[0]['size']}, batch {rows[0]['batch']}" if rows else ""
+    return ("# Adoption sweep: keras.applications models\n\n"
+            f"weights=None, {shape}, 10 classes; each plan trained with `fit` (SGD) in a "
+            f"fresh process, {FIT_STEPS} steps after the planning one; peak = median step, "
+            "largest = highest. See docs/whole-model.md, \"Beyond the benchmark's "
+            "models\".\n\n" + table(rows))
+
+
 def _run(*arguments: str) -> dict:
     command = [sys.executable, __file__, *arguments]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
@@ -231,7 +241,7 @@ def main() -> None:
     out = _cli.output_dir(args)
     out.mkdir(parents=True, exist_ok=True)
     (out / "applications_sweep.json").write_text(json.dumps(rows, indent=1) + "\n")
-    (out / "applications_sweep.md").write_text(table(rows))
+    (out / "applications_sweep.md").write_text(report(rows))
     print(table(rows))
 
 
