@@ -193,7 +193,9 @@ def graph_plain_peak(calls, x, device, jit_compile: bool = False,
 
     step = planning_function(chain, jit_compile=jit_compile)
     step.get_concrete_function(x)  # traced: `updated` is known
-    saved = [v.numpy() for v in updated]
+    # Copies: on CPU a variable's .numpy() can share its buffer, and the step's
+    # first update would then copy every weight and hold both in the pool.
+    saved = [v.numpy().copy() for v in updated]
     try:
         sync(step(x))  # warm up
         allocator = Allocator(device)
