@@ -35,7 +35,7 @@ def build(size: int) -> keras.Model:
 def step_stats(model: keras.Model, x: np.ndarray, y: np.ndarray, steps: int) -> tuple[int, float]:
     """(peak bytes of one training step, seconds per step) under ``fit``."""
     model.fit(x, y, batch_size=len(x), epochs=1, verbose=0)  # trace (and plan) first
-    peak = tc.peak_memory(lambda: model.fit(x, y, batch_size=len(x), epochs=1, verbose=0))
+    peak = tc.measure(lambda: model.fit(x, y, batch_size=len(x), epochs=1, verbose=0)).peak_bytes
     started = time.perf_counter()
     model.fit(x, y, batch_size=len(x), epochs=steps, verbose=0)
     return peak, (time.perf_counter() - started) / steps

@@ -10,7 +10,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import pytest  # noqa: E402
 
-MODES = ("eager", "function", "xla")
+MODES = ("eager", "graph", "xla")
 
 
 def compile_step(step, mode):
@@ -33,11 +33,6 @@ def _forget_planned_chains():
     keeps one test's weights from pinning allocator blocks under the next test's
     memory measurements."""
     yield
-    from tf_checkpointing.planning import _chain as _planner
-    from tf_checkpointing.planning import _model_profile as _model_planner
-    from tf_checkpointing.planning import _xla
+    from tf_checkpointing.planning import clear_caches
 
-    _planner._profiles.clear()
-    _model_planner._profiles.clear()
-    _model_planner._choices.clear()
-    _xla._model_anchors.clear()
+    clear_caches()

@@ -301,7 +301,7 @@ def test_an_eager_tensor_array_argument_gets_an_error_that_names_it():
             checkpointable(lambda ta: tf.sin(ta.stack()), checkpoint=True)(array)
 
 
-@pytest.mark.parametrize("mode", ["function", "xla"])
+@pytest.mark.parametrize("mode", ["graph", "xla"])
 def test_tensor_arrays_in_graphs_get_exact_gradients(mode):
     def run(fn):
         def step(x):

@@ -25,7 +25,7 @@ from conftest import compile_step
 from helpers import assert_all_close
 
 from tf_checkpointing import checkpointable
-from tf_checkpointing._ordering import weight_gradients_first
+from tf_checkpointing.core._ordering import weight_gradients_first
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -76,7 +76,7 @@ def test_a_region_ending_in_a_convolution_orders_it_on_the_incoming_gradient():
                                variables=conv.trainable_variables)
     pairs = _ordered_pairs(replayed, {"Conv2DBackpropFilter"}, {"Conv2DBackpropInput"})
     assert len(pairs) == 1
-    for mode in ("eager", "function", "xla"):  # runs and equals plain
+    for mode in ("eager", "graph", "xla"):  # runs and equals plain
         def grads(fn, mode=mode):
             def step(u, s):
                 with tf.GradientTape() as tape:
@@ -106,7 +106,7 @@ def test_dense_layers_are_ordered_without_cycles_in_any_precision(policy):
         # the plain and the replayed graph; equal with ReLU or no activation,
         # and with TF_ENABLE_ONEDNN_OPTS=0; measured 2026-11-25).
         tolerance = {"rtol": 8 * 2.0**-10} if policy == "mixed_float16" else {}
-        for mode in ("eager", "function", "xla"):  # runs (no cycle) and equals plain
+        for mode in ("eager", "graph", "xla"):  # runs (no cycle) and equals plain
             def grads(fn, mode=mode):
                 def step(x):
                     with tf.GradientTape() as tape:
@@ -143,7 +143,7 @@ SCRIPT = textwrap.dedent("""
     import json
     import keras, tensorflow as tf
     import tf_checkpointing as tc
-    from tf_checkpointing import _recompute
+    from tf_checkpointing.core import _recompute
 
     if not ORDERED:
         _recompute.weight_gradients_first = lambda graph, first, incoming=(): 0
@@ -164,7 +164,7 @@ SCRIPT = textwrap.dedent("""
         return tape.gradient(loss, [u, s] + conv.trainable_variables)
 
     step(u, s)
-    print(json.dumps([tc.peak_memory(lambda: [g.numpy() for g in step(u, s)])
+    print(json.dumps([tc.measure(lambda: [g.numpy() for g in step(u, s)]).peak_bytes
                       for _ in range(12)]))
 """)
 

@@ -16,7 +16,7 @@ from helpers import assert_all_close
 
 from tf_checkpointing import apply_checkpointing, checkpointable, is_recomputing
 
-MODES = ("eager", "function", "function_no_autograph", "xla")
+MODES = ("eager", "graph", "graph_no_autograph", "xla")
 RUNS: list = []  # (form, replayed) per body run
 
 
@@ -77,7 +77,7 @@ FORMS = {
 def _compiled(step, mode):
     if mode == "eager":
         return step
-    return tf.function(step, autograph=(mode != "function_no_autograph"),
+    return tf.function(step, autograph=(mode != "graph_no_autograph"),
                        jit_compile=(mode == "xla"))
 
 
@@ -210,7 +210,7 @@ COMPOSED = {
 }
 
 
-@pytest.mark.parametrize("mode", ["eager", "function", "xla"])
+@pytest.mark.parametrize("mode", ["eager", "graph", "xla"])
 @pytest.mark.parametrize("form", sorted(COMPOSED))
 def test_composed_call_forms_match_the_plain_run(form, mode):
     make, plain = COMPOSED[form]

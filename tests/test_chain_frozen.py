@@ -150,7 +150,7 @@ def test_a_differentiated_input_plans_every_layer():
     chain = tc.CheckpointedSequential(frozen_blocks(), budget="min")
     model = model_of(chain, stem=True)
     x = tf.random.stateless_normal([4, 16, 16, 8], [0, 1])
-    fit_step(model, x, "function")
+    fit_step(model, x, "graph")
     assert chain.plan.profile.frozen_prefix == 0, str(chain.plan)
 
 
@@ -160,16 +160,16 @@ def test_unfreezing_plans_the_chain_anew():
     chain = tc.CheckpointedSequential(layers, budget="min")
     model = model_of(chain)
     x = tf.random.stateless_normal([4, 16, 16, 8], [0, 1])
-    fit_step(model, x, "function")
+    fit_step(model, x, "graph")
     frozen_plan = chain.plan
     for layer in layers:
         layer.trainable = True
-    fit_step(model, x, "function")
+    fit_step(model, x, "graph")
     assert frozen_plan.profile.frozen_prefix == 2
     assert chain.plan.profile.frozen_prefix == 0, str(chain.plan)
     for layer in layers[:2]:
         layer.trainable = False
-    fit_step(model, x, "function")
+    fit_step(model, x, "graph")
     assert chain.plan is frozen_plan  # the plan made for these frozen layers
 
 
@@ -186,7 +186,7 @@ def measured(budget):
     model = model_of(body, width=32, image=64)
     step = make_step(model)
     step(x)
-    peaks = sorted(tc.peak_memory(lambda: step(x).numpy()) for _ in range(3))
+    peaks = sorted(tc.measure(lambda: step(x).numpy()).peak_bytes for _ in range(3))
     return peaks, getattr(body, "plan", None)
 
 plain, _ = measured(None)

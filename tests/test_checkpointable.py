@@ -324,7 +324,7 @@ class TestBadInput:
         with pytest.raises(TypeError, match=r"`fn` must be a function.*received 42.*int"):
             checkpointable(42)
 
-    @pytest.mark.parametrize("mode", ["eager", "function"])
+    @pytest.mark.parametrize("mode", ["eager", "graph"])
     def test_function_that_creates_layers_on_every_call(self, mode):
         def body(x):
             return keras.layers.Dense(2)(x)
@@ -333,7 +333,7 @@ class TestBadInput:
         with pytest.raises(ValueError, match=r"`.*body` created a new variable.*outside the func"):
             grads_of(wrapped, [tf.ones([1, 2])], [], mode)
 
-    @pytest.mark.parametrize("mode", ["eager", "function", "xla"])
+    @pytest.mark.parametrize("mode", ["eager", "graph", "xla"])
     def test_closed_over_tensor_that_needs_a_gradient(self, mode):
         w = tf.Variable(2.0)
 

@@ -204,7 +204,7 @@ def run_nesting(name, mode="eager"):
     return loss, grads, held, {k: list(v) for k, v in NESTED_RUNS.items()}
 
 
-@pytest.mark.parametrize("mode_", ["eager", "function"])
+@pytest.mark.parametrize("mode_", ["eager", "graph"])
 def test_nested_checkpoints_have_exact_gradients(mode_):
     plain_loss, plain_grads, _, _ = run_nesting("plain", mode_)
     loss, grads, _, runs = run_nesting("nested", mode_)

@@ -1,4 +1,4 @@
-"""Tests for tf_checkpointing._memory: peak memory of a function, and the error that
+"""Tests for tf_checkpointing.core._memory: peak memory of a function, and the error that
 says how to turn memory statistics on.
 
 conftest.py sets TF_CPU_ALLOCATOR_USE_BFC=true before TensorFlow is imported, so the
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import tensorflow as tf
 
-from tf_checkpointing import _memory
-from tf_checkpointing._memory import MemoryStats, default_memory_device, measure, peak_memory
+from tf_checkpointing.core import _memory
+from tf_checkpointing.core._memory import MemoryStats, default_memory_device, measure
 
 MIB = 2**20
 REPO = Path(__file__).resolve().parents[1]
@@ -28,7 +28,7 @@ def _allocate_64_mib():
 
 
 def test_peak_of_a_known_allocation():
-    peak = peak_memory(_allocate_64_mib)
+    peak = measure(_allocate_64_mib).peak_bytes
     assert 64 * MIB <= peak < 2 * 64 * MIB
 
 
@@ -57,7 +57,7 @@ def test_peak_of_a_tf_function():
 
     x = tf.random.uniform([1024, 1024])  # each temporary: 4 MiB
     step(x)  # trace outside the measurement
-    assert 4 * MIB <= peak_memory(step, x) < 3 * 4 * MIB
+    assert 4 * MIB <= measure(step, x).peak_bytes < 3 * 4 * MIB
 
 
 def test_nested_measurements_keep_the_outer_peak():
@@ -75,21 +75,21 @@ def test_nested_measurements_keep_the_outer_peak():
 
 
 def test_function_that_allocates_nothing_measures_zero():
-    assert peak_memory(lambda: None) == 0
+    assert measure(lambda: None).peak_bytes == 0
 
 
 def test_explicit_device():
-    assert peak_memory(_allocate_64_mib, device="CPU:0") >= 64 * MIB
+    assert measure(_allocate_64_mib, device="CPU:0").peak_bytes >= 64 * MIB
 
 
 def test_unknown_device_names_the_argument():
     with pytest.raises(ValueError, match=r"argument `device`.*'CPU:0'.*received 'TPU:7'"):
-        peak_memory(_allocate_64_mib, device="TPU:7")
+        measure(_allocate_64_mib, device="TPU:7")
 
 
 def test_device_must_be_a_string():
     with pytest.raises(TypeError, match=r"argument `device`.*received 0 of type int"):
-        peak_memory(_allocate_64_mib, device=0)
+        measure(_allocate_64_mib, device=0)
 
 
 def test_untracked_statistics_say_how_to_enable_them(monkeypatch):
@@ -98,7 +98,7 @@ def test_untracked_statistics_say_how_to_enable_them(monkeypatch):
 
     monkeypatch.setattr(tf.config.experimental, "get_memory_info", untracked)
     with pytest.raises(RuntimeError) as info:
-        peak_memory(_allocate_64_mib, device="CPU:0")
+        measure(_allocate_64_mib, device="CPU:0")
     message = str(info.value)
     assert "'CPU:0'" in message
     assert "TF_CPU_ALLOCATOR_USE_BFC=true" in message
@@ -111,7 +111,7 @@ def test_statistics_stuck_at_zero_say_how_to_enable_them(monkeypatch):
     monkeypatch.setattr(tf.config.experimental, "get_memory_info",
                         lambda device: {"current": 0, "peak": 0})
     with pytest.raises(RuntimeError, match=r"reports 0 bytes.*TF_CPU_ALLOCATOR_USE_BFC=true"):
-        peak_memory(_allocate_64_mib, device="CPU:0")
+        measure(_allocate_64_mib, device="CPU:0")
 
 
 def test_partial_cpu_statistics_raise(monkeypatch):
@@ -122,7 +122,7 @@ def test_partial_cpu_statistics_raise(monkeypatch):
                         lambda device: {"current": 1 << 20, "peak": 1 << 20})
     with pytest.raises(RuntimeError, match=r"64 KiB allocation was counted as 0 bytes.*"
                                            r"TF_CPU_ALLOCATOR_USE_BFC=true"):
-        peak_memory(_allocate_64_mib, device="CPU:0")
+        measure(_allocate_64_mib, device="CPU:0")
     assert _memory.statistics_status("CPU:0").startswith("not available: a 64 KiB")
 
 
@@ -135,11 +135,11 @@ def test_without_bfc_measure_raises_and_says_how_to_enable():
     """Without TF_CPU_ALLOCATOR_USE_BFC, TensorFlow refuses CPU statistics or tracks only
     large allocations; either way measuring raises and tells the fix."""
     code = textwrap.dedent("""
-        from tf_checkpointing import peak_memory
+        from tf_checkpointing import measure
         import tensorflow as tf
         tf.zeros([16 * 2**20]) + 1.0     # a large allocation: TF 2.21 then tracks large ones
         try:
-            peak = peak_memory(lambda: tf.reduce_sum(tf.zeros([16 * 2**20])))
+            peak = measure(lambda: tf.reduce_sum(tf.zeros([16 * 2**20]))).peak_bytes
         except RuntimeError as error:
             print("ERROR", error)
         else:

@@ -63,7 +63,7 @@ def _steps(model, x, mode, n=2):
     return out
 
 
-@pytest.mark.parametrize("mode", ["eager", "function"])
+@pytest.mark.parametrize("mode", ["eager", "graph"])
 def test_a_plan_made_in_the_first_step_keeps_the_plain_random_draws(mode):
     x = tf.random.stateless_normal([8, 8, 8, 4], [1, 2])
     plain, ours = _residual_net(), _residual_net()
@@ -75,7 +75,7 @@ def test_a_plan_made_in_the_first_step_keeps_the_plain_random_draws(mode):
         assert_all_close(grads, plain_grads, atol=1e-5)
 
 
-@pytest.mark.parametrize("mode", ["eager", "function", "xla"])
+@pytest.mark.parametrize("mode", ["eager", "graph", "xla"])
 def test_a_chain_planned_in_the_first_step_keeps_the_plain_random_draws(mode):
     x = tf.random.stateless_normal([32, 16], [3, 4])
     plain = keras.Sequential(_chain())

@@ -115,7 +115,7 @@ def test_a_batch_of_unknown_size_runs_the_plan_of_the_largest_batch(plans_made):
     assert plans_made == [("graph", ((4, 8, 8, 3),))]
 
 
-@pytest.mark.parametrize("mode", ["eager", "function"])
+@pytest.mark.parametrize("mode", ["eager", "graph"])
 def test_a_frozen_model_under_a_tape_is_planned_and_exact(mode, plans_made):
     """Fine-tuning through a backbone called with training=False (BatchNorm in
     inference mode) takes gradients: it is planned, not run plainly."""

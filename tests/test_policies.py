@@ -11,7 +11,7 @@ from conftest import compile_step
 from helpers import assert_all_close
 
 from tf_checkpointing import checkpoint_name, checkpointable, policies, saved_residuals
-from tf_checkpointing._residuals import _executed  # the ops a tf.function runs
+from tf_checkpointing.core._residuals import _executed  # the ops a tf.function runs
 
 DOTS = ("MatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum")
 
@@ -321,38 +321,10 @@ def test_nested_checkpoints_and_a_gradient_outside_the_function(policy, mode):
     assert_all_close(grads(tf.function(outer)), grads(tf.function(block)), rtol=rtol)
 
 
-def test_plan_policies_solves_the_knapsack_exactly():
-    from tf_checkpointing.planning._policies import _solve
-
-    kept = np.array([[10.0, 4.0, 1.0]] * 3)  # plain, dots, full replay
-    extra = np.array([[0.0, 1.0, 3.0]] * 3)
-    assert _solve(kept, extra, 40.0, 40.0) == ([0, 0, 0], 40.0)
-    # 30 bytes: 10 fixed + kept + one replay's working set. All dots (12 + 6) fits
-    # at cost 3; dots, dots, full (9 + 9) also fits but costs 5.
-    assert _solve(kept, extra, 40.0, 30.0) == ([1, 1, 1], 28.0)
-    with pytest.raises(ValueError, match=r"`budget` \(0.0 MiB\) is below the least"):
-        _solve(kept, extra, 40.0, 15.0)
-
-
-def test_plan_policies_plans_a_real_chain_within_its_prediction():
-    from tf_checkpointing.planning import plan_policies
-
-    layers = [keras.layers.Dense(64, activation="gelu") for _ in range(4)]
-    x = tf.random.stateless_normal([256, 64], seed=[7, 7])
-    roomy = plan_policies(layers, x, budget=2**40, repeats=1)
-    assert roomy.choices == ("plain",) * 4
-    tight = roomy.replan(int(0.7 * roomy.plain_peak_bytes))
-    assert "plain" in roomy.choices and set(tight.choices) != {"plain"}
-    assert tight.predicted_peak_bytes <= tight.budget_bytes
-    wrapped = tight.wrap(layers)
-    assert [w is layer for w, layer in zip(wrapped, layers)] == [
-        c == "plain" for c in tight.choices]
-
-
 def test_the_swap_makes_no_pass_over_kept_tensors_outside_xla():
     """Outside XLA a kept tensor waits for the replay's inputs by a control edge
     (an Identity): no element-wise op over it is added to the backward."""
-    from tf_checkpointing import _residuals
+    from tf_checkpointing.core import _residuals
 
     block = AttentionBlock()
     block(_x())
@@ -365,7 +337,7 @@ def test_the_swap_makes_no_pass_over_kept_tensors_outside_xla():
 
 
 def _draw_count(policy, checkpoint):
-    from tf_checkpointing._draws import is_draw
+    from tf_checkpointing.core._draws import is_draw
 
     block = AttentionBlock()
     block(_x())

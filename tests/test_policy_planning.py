@@ -268,7 +268,7 @@ def test_policies_round_trip_through_the_config_and_a_keras_file(tmp_path):
 def test_a_plan_with_policies_keeps_its_budget(request):
     if ran_in_fresh_process(request):
         return
-    from tf_checkpointing import peak_memory
+    from tf_checkpointing import measure
 
     blocks, _ = _blocks(n=8, width=256)
     x = tf.random.stateless_normal([512, 256], seed=[5, 6])
@@ -290,7 +290,7 @@ def test_a_plan_with_policies_keeps_its_budget(request):
 
     plain_step = step_of(plain)
     plain_step(x)
-    plain_peak = peak_memory(plain_step, x)
+    plain_peak = measure(plain_step, x).peak_bytes
     budget = plain_peak // 2
     layer = CheckpointedSequential(blocks, budget=budget, policies="auto")
     planned = step_of(lambda x: layer(x, training=True))
@@ -298,6 +298,6 @@ def test_a_plan_with_policies_keeps_its_budget(request):
     # The executor's order moves a step's peak (here 20.5-23.7 MiB over steps of a
     # 24.3 MiB budget; 24.8 MiB once on a loaded machine): the largest of three
     # steps, within the 1.05x of its budget that the planners promise.
-    peak = max(peak_memory(planned, x) for _ in range(3))
+    peak = max(measure(planned, x).peak_bytes for _ in range(3))
     assert layer.plan.policies and layer.plan.extra_forward_layers > 0
     assert peak <= 1.05 * budget, (peak / budget, str(layer.plan))

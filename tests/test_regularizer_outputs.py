@@ -22,7 +22,7 @@ from conftest import compile_step
 from helpers import assert_all_close
 
 import tf_checkpointing as tc
-from tf_checkpointing import _structure
+from tf_checkpointing.core import _structure
 
 X = tf.random.stateless_normal([4, 3], [5, 6])
 

@@ -272,7 +272,7 @@ class TestCheckMode:
         wrapped = checkpointable(lambda x: x * tf.random.uniform([256]), checkpoint=True,
                                  check="values")
         with pytest.raises(tf.errors.InvalidArgumentError) as info:
-            grads_of(wrapped, [tf.ones([256])], [], "function")
+            grads_of(wrapped, [tf.ones([256])], [], "graph")
         message = str(info.value)
         assert "assertion failed: [checkpointable: the replay of `" in message
         assert "<lambda>` computed other values" in message

@@ -11,7 +11,7 @@ from tf_checkpointing import (
     print_saved_residuals,
     saved_residuals,
 )
-from tf_checkpointing._residuals import held_bytes
+from tf_checkpointing.core._residuals import held_bytes
 
 
 def _activations(residuals):

@@ -92,7 +92,7 @@ def test_force_seed_leaves_other_threads_random_ops_alone():
     np.testing.assert_allclose(grad, y, rtol=1e-6)  # x is ones: dy/dx = y
 
 
-@pytest.mark.parametrize("mode", ["eager", "function"])
+@pytest.mark.parametrize("mode", ["eager", "graph"])
 def test_two_threads_train_checkpointed_blocks_at_once(mode):
     w = tf.Variable(tf.random.stateless_normal([8, 8], seed=[1, 2]) * 0.3, name="w")
     block = checkpointable(lambda x: tf.tanh(tf.matmul(x, w)), checkpoint=True)

@@ -109,7 +109,7 @@ def measured(plan):
         tc.apply_checkpointing(model, plan=plan)
     step = make_step(model)
     step(x)
-    return sorted(tc.peak_memory(lambda: step(x).numpy()) for _ in range(3)), plan
+    return sorted(tc.measure(lambda: step(x).numpy()).peak_bytes for _ in range(3)), plan
 
 plain, _ = measured(None)
 peaks, plan = measured("plan")
@@ -151,14 +151,14 @@ model = partly_frozen(frozen_blocks=4, blocks=6, width=64, image=32)
 model(x)
 step = make_step(model)
 step(x)
-plain = sorted(tc.peak_memory(lambda: step(x).numpy()) for _ in range(3))
+plain = sorted(tc.measure(lambda: step(x).numpy()).peak_bytes for _ in range(3))
 # One region from the input over the stem and the four frozen blocks (calls 0-20)
 # into the first trainable block's Conv-BN-ReLU-Dropout (21-24).
 names = tuple(layer.name for layer in model.layers[1:])
 tc.apply_checkpointing(model, plan=ModelPlan(names, ((0, 25, ()),), "graph", None, 0, 0, 0))
 step = make_step(model)
 step(x)
-region = sorted(tc.peak_memory(lambda: step(x).numpy()) for _ in range(3))
+region = sorted(tc.measure(lambda: step(x).numpy()).peak_bytes for _ in range(3))
 print("RESULT", json.dumps({"plain": plain[1], "region": region[1]}))
 """
 

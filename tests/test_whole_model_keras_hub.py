@@ -33,7 +33,7 @@ def _gpt2():
 
 def _run(model, x, mode):
     loss, grads = grads_of(lambda x: model(x, training=True), [x], model.trainable_variables,
-                           "function" if mode == "graph" else mode)
+                           mode)
     # grads[0]: the integer inputs' (None); the embedding's gradient is IndexedSlices.
     dense = [tf.convert_to_tensor(g) for g in grads[1:]]
     return loss, dense, [v.numpy() for v in model.variables]

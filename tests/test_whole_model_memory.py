@@ -51,7 +51,7 @@ SCRIPT = STEP + textwrap.dedent("""
         step = make_step(model)
         step(x)
         # The executor's op order moves a step's peak: three steps, each peak kept.
-        return sorted(tc.peak_memory(lambda: step(x).numpy()) for _ in range(3)), model
+        return sorted(tc.measure(lambda: step(x).numpy()).peak_bytes for _ in range(3)), model
 
     plans = {}
 
@@ -113,7 +113,7 @@ def test_resnet50_example_runs_tiny():
 
 
 TOKENS_SCRIPT = STEP + textwrap.dedent("""
-    from tf_checkpointing.planning._model import plan_model
+    from tf_checkpointing import plan_model
     from tf_checkpointing.planning._plan import ModelPlan
 
     keras.utils.set_random_seed(0)
@@ -137,7 +137,7 @@ TOKENS_SCRIPT = STEP + textwrap.dedent("""
     step = make_step(model)
     step(x)
     # The least of a few steps: the executor's op order moves the peak by a few MiB.
-    peak = min(tc.peak_memory(lambda: step(x).numpy()) for _ in range(5))
+    peak = min(tc.measure(lambda: step(x).numpy()).peak_bytes for _ in range(5))
     print("RESULT", json.dumps({"peak": peak, "block_kept": 16 * 64 * 1024 * 4}))
 """)
 
@@ -153,7 +153,7 @@ def test_a_region_with_only_integer_inputs_replays_when_its_gradient_arrives():
 
 
 TWO_OUTPUTS_SCRIPT = STEP + textwrap.dedent("""
-    from tf_checkpointing.planning._model import plan_model
+    from tf_checkpointing import plan_model
     from tf_checkpointing.planning._plan import ModelPlan
 
     keras.utils.set_random_seed(0)
@@ -179,7 +179,7 @@ TWO_OUTPUTS_SCRIPT = STEP + textwrap.dedent("""
     tc.apply_checkpointing(model, plan=ModelPlan(tuple(names), spans, "graph", None, 0, 0, 0))
     step = make_step(model)
     step(x)
-    peak = min(tc.peak_memory(lambda: step(x).numpy()) for _ in range(3))
+    peak = min(tc.measure(lambda: step(x).numpy()).peak_bytes for _ in range(3))
     print("RESULT", json.dumps({"peak": peak, "tensor": 16 * 32 * 32 * 32 * 4}))
 """)
 
@@ -220,7 +220,7 @@ OUTPUT_GRADIENT_SCRIPT = STEP + textwrap.dedent("""
 
     def peak():
         step(x)
-        return min(tc.peak_memory(lambda: step(x).numpy()) for _ in range(3))
+        return min(tc.measure(lambda: step(x).numpy()).peak_bytes for _ in range(3))
 
     plain = peak()
     names = tuple(layer.name for layer in model.layers[1:])
@@ -296,7 +296,7 @@ WEIGHTS_SCRIPT = STEP + textwrap.dedent("""
     tc.apply_checkpointing(model, plan=plan)
     step = make_step(model)
     step(x)
-    peaks = sorted(tc.peak_memory(lambda: step(x).numpy()) for _ in range(5))
+    peaks = sorted(tc.measure(lambda: step(x).numpy()).peak_bytes for _ in range(5))
     print("RESULT", json.dumps({"predicted": plan.predicted_peak_bytes, "median": peaks[2],
                                 "kernel": 1024 * 1024 * 4}))
 """)

@@ -127,13 +127,13 @@ def test_apply_checkpointing_with_a_budget_and_policies_trains_like_plain():
     x = tf.random.stateless_normal([256, 64], [0, 3])
     model(x)
     before = [v.numpy() for v in model.variables]
-    plain = _run(model, x, "function")
+    plain = _run(model, x, "graph")
     for variable, value in zip(model.variables, before):
         variable.assign(value)
     least = tc.plan_model(model, x, budget="min", mode="graph", policies="auto")
     budget = (least.min_budget_bytes + least.plain_peak_bytes) // 2
     assert tc.apply_checkpointing(model, budget=budget, policies="auto") == [model]
-    ours = _run(model, x, "function")
+    ours = _run(model, x, "graph")
     plan = model.call.plan
     assert plan.mode == "graph" and plan.policies == (REDUCTIONS, DOTS, NO_BATCH) and plan.spans
     assert plan.budget_bytes == budget and plan.predicted_peak_bytes <= budget
@@ -203,7 +203,7 @@ def test_a_plan_with_policies_keeps_its_budget(request, monkeypatch):
         tc.apply_checkpointing(model, plan=plan)
         step = sgd_step(model)
         step(x)
-        peak = min(tc.peak_memory(lambda step=step: step(x).numpy()) for _ in range(3))
+        peak = min(tc.measure(lambda step=step: step(x).numpy()).peak_bytes for _ in range(3))
         results.append((fraction, peak / 2**20, budget / 2**20, str(plan)))
         assert peak <= budget, results
     assert any("replayed with" in r[3] for r in results), results

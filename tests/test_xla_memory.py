@@ -27,7 +27,7 @@ LAYERS = textwrap.dedent("""
     import keras, tensorflow as tf
     import tf_checkpointing as tc
 
-    tc.peak_memory(lambda: None)  # the first measurement grows the CPU pool
+    tc.measure(lambda: None).peak_bytes  # the first measurement grows the CPU pool
 
     def layers():
         keras.utils.set_random_seed(0)
@@ -45,7 +45,7 @@ LAYERS = textwrap.dedent("""
 
         step = sgd_step(model, jit_compile=True)
         step(x)  # traced (and planned) outside the measurement
-        return tc.peak_memory(lambda: step(x).numpy())
+        return tc.measure(lambda: step(x).numpy()).peak_bytes
 """)
 
 MODEL = LAYERS + textwrap.dedent("""
@@ -90,7 +90,7 @@ GROWN = textwrap.dedent("""
     import tf_checkpointing as tc
 
     # One 70 MiB tensor: a fresh pool would open a 128 MiB region for it, whole.
-    peak = tc.peak_memory(lambda: tf.reduce_sum(tf.zeros([70 * 2**18])))
+    peak = tc.measure(lambda: tf.reduce_sum(tf.zeros([70 * 2**18]))).peak_bytes
     print(json.dumps(peak))
 """)
 

@@ -5,26 +5,28 @@ gives exact gradients.
 
     @checkpointable(checkpoint=True)
     def block(x, training=None): ...
+
+The package has three floors, each importing only the ones below it: the replay
+core (:mod:`tf_checkpointing.core`: one checkpointed call and what keeps its
+replay exact), planning (:mod:`tf_checkpointing.planning`: profiles in, a plan
+out), and the API in this folder (the decorator, the Keras integration, and the
+runners of chains and models), which uses both.
 """
 
 from tf_checkpointing import policies
 from tf_checkpointing._decorator import checkpointable
-from tf_checkpointing._errors import ChainedOutputWarning, ReplayMismatchError
-from tf_checkpointing._flags import is_checkpointing, is_recomputing
 from tf_checkpointing._keras import apply_checkpointing
-from tf_checkpointing._memory import MemoryStats, measure, peak_memory
 from tf_checkpointing._remat_scope import RematScope
-from tf_checkpointing._residuals import Residual, print_saved_residuals, saved_residuals
-from tf_checkpointing._saving import checkpoint_name
-from tf_checkpointing._sequential import CheckpointedSequential, checkpoint_sequential
+from tf_checkpointing._sequential import checkpoint_sequential, plan_sequential
+from tf_checkpointing._sequential_layer import CheckpointedSequential
 from tf_checkpointing._version import __version__ as __version__
-from tf_checkpointing.planning import (
-    ModelPlan,
-    Segment,
-    SequentialPlan,
-    plan_model,
-    plan_sequential,
-)
+from tf_checkpointing._whole_model import plan_model
+from tf_checkpointing.core._errors import ChainedOutputWarning, ReplayMismatchError
+from tf_checkpointing.core._flags import is_checkpointing, is_recomputing
+from tf_checkpointing.core._memory import MemoryStats, measure
+from tf_checkpointing.core._residuals import Residual, print_saved_residuals, saved_residuals
+from tf_checkpointing.core._save_policies import checkpoint_name
+from tf_checkpointing.planning._plan import ModelPlan, Segment, SequentialPlan
 
 __all__ = [
     "ChainedOutputWarning",
@@ -43,7 +45,6 @@ __all__ = [
     "is_checkpointing",
     "is_recomputing",
     "measure",
-    "peak_memory",
     "plan_model",
     "plan_sequential",
     "policies",

@@ -2,7 +2,7 @@
 
 Prints the versions of tf_checkpointing, TensorFlow, Keras and Python, the
 devices TensorFlow sees, and whether each device's allocator keeps the memory
-statistics that `measure` and `peak_memory` read.
+statistics that `measure` reads.
 
 Example:
     >>> from tf_checkpointing.__main__ import report
@@ -25,8 +25,8 @@ def report() -> str:
     import keras
     import tensorflow as tf
 
-    from tf_checkpointing import _memory
     from tf_checkpointing._version import __version__
+    from tf_checkpointing.core import _memory
 
     lines = [
         f"tf_checkpointing: {__version__}",

@@ -5,7 +5,7 @@ instance's ``call`` with a :class:`GraphRunner`: it runs the layer calls of the
 flattened graph (:mod:`tf_checkpointing.planning._graph`) in the order Keras'
 ``Functional._run_through_graph`` does, with the same call-context arguments
 (``training``) and masks, and each region of the plan as one
-:func:`~tf_checkpointing._recompute.checkpointed_call` that takes every tensor
+:func:`~tf_checkpointing.core._recompute.checkpointed_call` that takes every tensor
 entering the region and returns every tensor of it read later (and the model
 outputs it makes). The layers are called as in the plain model, so autocast,
 dropout seeds and BatchNorm updates happen exactly as there, and the replay
@@ -35,9 +35,10 @@ import keras
 from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
 from keras.src.models.functional import unpack_singleton
 
-from tf_checkpointing._flags import checkpoint_scopes_entered
-from tf_checkpointing._losses import AddedLosses
-from tf_checkpointing._recompute import checkpointed_call, needs_checkpoint
+from tf_checkpointing.core._flags import checkpoint_scopes_entered
+from tf_checkpointing.core._losses import AddedLosses
+from tf_checkpointing.core._recompute import checkpointed_call, needs_checkpoint
+from tf_checkpointing.planning._budget import Budget
 from tf_checkpointing.planning._frozen import backprop_calls
 from tf_checkpointing.planning._graph import (
     Key,
@@ -46,9 +47,11 @@ from tf_checkpointing.planning._graph import (
     read_graph,
     run_call,
 )
-from tf_checkpointing.planning._model import plan_graph, step_mode
+from tf_checkpointing.planning._model import plan_graph
+from tf_checkpointing.planning._modes import step_mode
 from tf_checkpointing.planning._plan import ModelPlan
 from tf_checkpointing.planning._reuse import PlansByShape
+from tf_checkpointing.planning._runner import PlanRunner
 
 __all__: list[str] = []
 
@@ -59,7 +62,7 @@ class GraphRunner:
     """The ``call`` of a model that runs its graph by a :class:`ModelPlan`."""
 
     def __init__(self, graph: LayerGraph, *, plan: Optional[ModelPlan] = None,
-                 budget: Optional[int] = None, mode: str = "auto",
+                 budget: Optional[Budget] = None, mode: str = "auto",
                  original_call: Any = None, force_seed: bool = False,
                  check: Any = False, policies: tuple[Any, ...] = ()) -> None:
         self.graph = graph
@@ -123,8 +126,9 @@ class GraphRunner:
             return plan
         profiled = AddedLosses(self._layers)
         try:
+            assert self.budget is not None  # no plan given: a budget was
             plan = plan_graph(self.graph, inputs, self.budget, mode=mode, api=_API,
-                              policies=self.policies)
+                              runner=model_runner(self.graph), policies=self.policies)
         finally:  # the profile's layer calls add losses of their own
             profiled.take()
         self.plans.add(mode, inputs, plan)
@@ -239,7 +243,17 @@ def _writes_kept_out(*, replay: bool, flat: bool) -> Any:
     return keras.StatelessScope(initialize_variables=False, collect_losses=True)
 
 
-def install(model: Any, *, plan: Optional[ModelPlan] = None, budget: Optional[int] = None,
+def model_runner(graph: LayerGraph) -> PlanRunner:
+    """What the planner runs a plan of ``graph`` with (see ``planning._runner``):
+    a training call of the model by that plan."""
+    def runner(plan: ModelPlan) -> Any:
+        run = GraphRunner(graph, plan=plan)
+        return lambda x: run(x, training=True)
+
+    return runner
+
+
+def install(model: Any, *, plan: Optional[ModelPlan] = None, budget: Optional[Budget] = None,
             mode: str = "auto", force_seed: bool = False, check: Any = False,
             policies: tuple[Any, ...] = ()) -> GraphRunner:
     """Makes ``model`` run its graph by ``plan`` (or by the plan for ``budget``

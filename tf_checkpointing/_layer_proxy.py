@@ -18,7 +18,7 @@ import keras
 import wrapt
 
 from tf_checkpointing._options import _OPTION_NAMES, _is_symbolic, _Options, dispatch
-from tf_checkpointing._recompute import needs_checkpoint
+from tf_checkpointing.core._recompute import needs_checkpoint
 
 try:  # Keras 3 marks its output-shape inference with this scope (not public API)
     from keras.src.backend.common import symbolic_scope as _symbolic_scope

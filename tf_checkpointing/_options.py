@@ -3,7 +3,7 @@
 :func:`dispatch` runs one call of a checkpointable function, method or layer
 ``call``: it takes the call-time options (``_checkpoint``, ``_force_seed``,
 ``_watch_vars``, ``_policy``) out of the keyword arguments, validates them, and runs the
-call directly or checkpointed (:mod:`tf_checkpointing._recompute`). When
+call directly or checkpointed (:mod:`tf_checkpointing.core._recompute`). When
 nothing can take a gradient of the call (eager mode, no tape recording) or
 checkpointing is off, the function is called directly: one dict lookup of
 overhead on the hot path of every layer call.
@@ -20,7 +20,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_checkpointing import policies
-from tf_checkpointing._recompute import checkpointed_call, needs_checkpoint
+from tf_checkpointing.core._recompute import checkpointed_call, needs_checkpoint
 
 __all__: list[str] = []
 

@@ -13,7 +13,7 @@ segments inside segments, on the measured layers.
 Unlike ``torch.utils.checkpoint.checkpoint_sequential``, the input may be any
 nested structure of tensors, keyword arguments reach exactly the layers whose
 call takes them, and each segment is a
-:func:`~tf_checkpointing._recompute.checkpointed_call`: dropout masks and
+:func:`~tf_checkpointing.core._recompute.checkpointed_call`: dropout masks and
 BatchNorm statistics are replayed as the forward ran them.
 """
 
@@ -25,15 +25,18 @@ from typing import Any, Optional, Union
 
 import tensorflow as tf
 
-from tf_checkpointing import policies as _policies
-from tf_checkpointing._recompute import checkpointed_call, needs_checkpoint
+from tf_checkpointing import policies as save_policies
+from tf_checkpointing.core._recompute import checkpointed_call, needs_checkpoint
+from tf_checkpointing.planning._budget import expect_budget
 from tf_checkpointing.planning._calling import route_keywords, validate_layers
-from tf_checkpointing.planning._chain import _expect_budget, cached_plan
+from tf_checkpointing.planning._chain import cached_plan
 from tf_checkpointing.planning._choices import expect_policies
 from tf_checkpointing.planning._frozen import tape_reaches
+from tf_checkpointing.planning._modes import expect_mode
 from tf_checkpointing.planning._plan import Segment, SequentialPlan, even_plan
+from tf_checkpointing.planning._runner import PlanRunner
 
-__all__ = ["CheckpointedSequential", "checkpoint_sequential"]
+__all__ = ["checkpoint_sequential", "plan_sequential", "run_plan"]
 
 Segments = Union[int, str]
 _API = "checkpoint_sequential"
@@ -46,7 +49,7 @@ def checkpoint_sequential(
     *,
     segments: Segments = "sqrt",
     budget: Optional[Union[float, str]] = None,
-    policy: Optional[_policies.Policy] = None,
+    policy: Optional[save_policies.Policy] = None,
     policies: Any = None,
     **kwargs: Any,
 ) -> Any:
@@ -97,12 +100,12 @@ def checkpoint_sequential(
     """
     layers = validate_layers(layers, _API)
     candidates = _expect_choice(policy, policies, budget, _API)
-    policy = _policies.resolve(policy)
+    policy = save_policies.resolve(policy, api=_API)
     routed = route_keywords(layers, kwargs, _API)
     if budget is None:
         count = expect_segments(segments, len(layers), _API)
     else:
-        budget = _expect_budget(budget, _API)
+        budget = expect_budget(budget, _API)
         if not isinstance(segments, str) or segments != "sqrt":
             raise ValueError(
                 f"{_API}: pass either `segments` or `budget`, not both; received "
@@ -115,8 +118,104 @@ def checkpoint_sequential(
         plan = even_plan(len(layers), count)
     else:
         plan = cached_plan(layers, inputs, budget, kwargs, routed, api=_API,
-                           policies=candidates, input_grad=tape_reaches(inputs))
+                           runner=chain_runner(layers, kwargs, routed), policies=candidates,
+                           input_grad=tape_reaches(inputs))
     return run_plan(layers, plan, inputs, kwargs, routed, policy=policy)
+
+
+def plan_sequential(layers: Any, inputs: Any, *, budget: Union[float, str],
+                    mode: str = "auto", policies: Any = None,
+                    **kwargs: Any) -> SequentialPlan:
+    """Plans the checkpoints of a chain of layers for a memory budget.
+
+    Profiles the chain once on ``inputs`` (each layer's forward and backward,
+    measured with the device allocator; the state the layers change is put
+    back), then finds the schedule, nested checkpoints included, that
+    recomputes the least while its peak stays within ``budget``. A budget at
+    or above the plain step's peak recomputes nothing.
+
+    With ``policies``, a layer may also run as a checkpointed call of its own
+    that keeps what a save policy picks (the matrix products, say) and replays
+    the rest: less memory than plain, less time than a full replay. The plan
+    then takes, per layer, the cheapest of plain, a full replay (alone or in a
+    segment) and each policy: the same choice as ``torch.compile``'s
+    ``activation_memory_budget`` makes per op, with the layer as the unit and
+    JAX's policies as the options. Each layer's ``tf.function`` training step
+    is timed plain, fully replayed and with each policy (in interleaved rounds;
+    identical layers once), so planning takes longer; in eager mode a policy
+    keeps nothing (see ``docs/save-policies.md``), so ``policies`` is unused
+    there.
+
+    Args:
+        layers: the chain: Keras layers or callables, each fed the previous output.
+        inputs: the chain's input, a tensor or a nested structure of tensors, at
+            the batch size training uses (the plan is for these shapes).
+        budget: bytes the training step may allocate on top of what is allocated
+            before it (weights, inputs): activations, stored checkpoints,
+            gradients; or ``"min"``: the schedule with the least peak (least
+            recomputation among those), as ``plan_model`` takes it.
+        mode: how the training step runs, which decides what backprop keeps:
+            ``"eager"``; ``"graph"`` for a ``tf.function`` (``Model.fit``
+            included), whose graph keeps fewer intermediates, so the same budget
+            leaves more layers un-checkpointed; ``"auto"`` (the default):
+            ``"graph"`` when called while a ``tf.function`` is being traced,
+            else ``"eager"``; ``"xla"`` for a ``jit_compile=True`` step (also
+            chosen by ``"auto"`` while one is traced): a graph profile whose
+            peaks are mapped onto the measured XLA steps of the plain chain and of
+            its least-memory plan (XLA keeps buffers checkpointing does not shrink).
+        policies: the save policies a layer may keep its activations with:
+            None (the default: plain or full replays only); ``"auto"``:
+            ``policies.dots_saveable`` and
+            ``policies.dots_with_no_batch_dims_saveable``; or a list of
+            policies, in which ``"auto"`` stands for those two
+            (``["auto", policies.save_only_these_names("mlp_out")]``).
+        **kwargs: keywords for the layers, e.g. ``training=True``; each layer gets
+            those its call accepts, as in :func:`checkpoint_sequential`.
+
+    Returns:
+        A :class:`SequentialPlan`; pass its ``budget`` to
+        :func:`checkpoint_sequential` or read ``segments``, ``predicted_peak_bytes``
+        and ``extra_forward_layers``; ``str(plan)`` shows each segment and its policy.
+
+    Raises:
+        ValueError: the budget is below the least memory any schedule needs (the
+            message gives it), or not a positive number.
+        TypeError: ``policies`` is not None, ``"auto"`` or a list of policies.
+
+    Example (on CPU, with ``TF_CPU_ALLOCATOR_USE_BFC=true`` set before TensorFlow
+    is imported):
+        >>> import keras, tensorflow as tf
+        >>> from tf_checkpointing import plan_sequential
+        >>> layers = [keras.layers.Dense(64, activation="relu") for _ in range(16)]
+        >>> x = tf.random.normal([1024, 64])
+        >>> plan = plan_sequential(layers, x, budget=4 * 2**20)
+        >>> plan.predicted_peak_bytes <= 4 * 2**20 < plan.plain_peak_bytes
+        True
+        >>> plan.segments[0][0], plan.segments[-1][1], plan.extra_forward_layers > 0
+        (0, 16, True)
+        >>> mixed = plan_sequential(layers, x, budget=4 * 2**20, mode="graph",
+        ...                         policies="auto")
+        >>> mixed.predicted_peak_bytes <= 4 * 2**20
+        True
+        >>> print(mixed)  # doctest: +ELLIPSIS
+        SequentialPlan: 16 layers, budget 4.00 MiB -> ...
+    """
+    api = "plan_sequential"
+    layers = validate_layers(layers, api)
+    checked = expect_budget(budget, api)
+    candidates = expect_policies(policies, api)
+    mode = expect_mode(mode, api)
+    routed = route_keywords(layers, kwargs, api)
+    return cached_plan(layers, inputs, checked, kwargs, routed, api=api,
+                       runner=chain_runner(layers, kwargs, routed), mode=mode,
+                       policies=candidates)
+
+
+def chain_runner(layers: Sequence[Any], kwargs: dict[str, Any],
+                 routed: list[dict]) -> PlanRunner:
+    """What the planner runs a plan of ``layers`` with (see ``planning._runner``)."""
+    return lambda plan: lambda x: run_plan(layers, plan, x, kwargs, routed)
+
 
 
 def _expect_choice(policy: Any, candidates: Any, budget: Any, api: str) -> tuple[Any, ...]:
@@ -177,7 +276,7 @@ def _run_pieces(layers, routed, pieces: Sequence[Segment], x, kwargs, policy=Non
     for piece in pieces:
         # A policy the plan chose for this segment, else the one for every segment.
         chosen = policy if piece.policy is None else piece.policy
-        if piece.checkpointed and chosen is not _policies.everything_saveable:
+        if piece.checkpointed and chosen is not save_policies.everything_saveable:
             # The keywords go in as arguments (their tensors get gradients);
             # the segment routes the values it receives, fresh in the replay.
             x = checkpointed_call(_segment(layers, routed, piece, policy), (x,), dict(kwargs),
@@ -195,6 +294,3 @@ def _segment(layers, routed, piece: Segment, policy=None):
     segment.__name__ = segment.__qualname__ = f"layers_{piece.start}_to_{piece.stop}"
     return segment
 
-
-# The layer form lives in its own module; imported from here as before.
-from tf_checkpointing._sequential_layer import CheckpointedSequential  # noqa: E402

@@ -13,19 +13,21 @@ from typing import Any, Optional, Union, cast
 import keras
 import tensorflow as tf
 
-from tf_checkpointing import policies as _policies
-from tf_checkpointing._recompute import needs_checkpoint
+from tf_checkpointing import policies as save_policies
 from tf_checkpointing._sequential import (
     Segments,
     _expect_choice,
     _run_layers,
+    chain_runner,
     expect_segments,
     run_plan,
 )
+from tf_checkpointing.core._recompute import needs_checkpoint
+from tf_checkpointing.planning._budget import Budget, expect_budget
 from tf_checkpointing.planning._calling import route_keywords, validate_layers
-from tf_checkpointing.planning._chain import _expect_budget, cached_plan
+from tf_checkpointing.planning._chain import cached_plan
 from tf_checkpointing.planning._frozen import frozen_prefix, tape_reaches
-from tf_checkpointing.planning._model import step_mode
+from tf_checkpointing.planning._modes import step_mode
 from tf_checkpointing.planning._plan import SequentialPlan, even_plan
 from tf_checkpointing.planning._reuse import PlansByShape
 
@@ -115,7 +117,7 @@ class CheckpointedSequential(keras.layers.Layer):
         api = _LAYER_API
         layers = validate_layers(layers, api)
         if isinstance(policies, (list, tuple)):  # from a config: names back to policies
-            policies = [_policies.from_config(p) for p in policies]
+            policies = [save_policies.from_config(p) for p in policies]
         self.policies = _expect_choice(policy, policies, budget, api)
         for i, layer in enumerate(layers):
             if not isinstance(layer, keras.layers.Layer):
@@ -127,7 +129,7 @@ class CheckpointedSequential(keras.layers.Layer):
                     "or use checkpoint_sequential for plain callables."
                 )
         if budget is not None:
-            budget = _expect_budget(budget, api)
+            budget = expect_budget(budget, api)
             if not isinstance(segments, str) or segments != "sqrt":
                 raise ValueError(
                     f"{api}: pass either `segments` or `budget`, not both; received "
@@ -138,7 +140,7 @@ class CheckpointedSequential(keras.layers.Layer):
         self.layers = list(layers)
         self.segments = segments
         self.budget = budget
-        self.policy = _policies.resolve(_policies.from_config(policy))
+        self.policy = save_policies.resolve(save_policies.from_config(policy), api=api)
         self.plan: Optional[SequentialPlan] = None  # the plan of the last call
         # Plans made for `budget`, per number of leading layers outside backprop
         # (frozen ones: unfreezing plans anew).
@@ -171,8 +173,9 @@ class CheckpointedSequential(keras.layers.Layer):
                 PlansByShape(_LAYER_API))
             plan, plan_anew = plans.find(mode, inputs, training=training)
             if plan_anew:
-                plan = cached_plan(self.layers, inputs, cast(Union[int, str], self.budget),
-                                   kwargs, routed, api=_LAYER_API, mode=mode,
+                plan = cached_plan(self.layers, inputs, cast(Budget, self.budget), kwargs,
+                                   routed, api=_LAYER_API,
+                                   runner=chain_runner(self.layers, kwargs, routed), mode=mode,
                                    policies=self.policies, input_grad=input_grad)
                 plans.add(mode, inputs, plan)
             if plan is None:  # inference (evaluate, predict) before any plan
@@ -192,8 +195,8 @@ class CheckpointedSequential(keras.layers.Layer):
             layers=[keras.saving.serialize_keras_object(layer) for layer in self.layers],
             segments=self.segments,
             budget=self.budget,
-            policy=_policies.to_config(self.policy),
-            policies=[_policies.to_config(p) for p in self.policies] or None,
+            policy=save_policies.to_config(self.policy),
+            policies=[save_policies.to_config(p) for p in self.policies] or None,
         )
         return config
 

@@ -270,9 +270,11 @@ def _expect_names(where: str, names: tuple) -> frozenset[str]:
     return frozenset(names)
 
 
-def resolve(policy: Any, argument: str = "policy") -> Optional[Policy]:
-    """Validates a ``policy=`` / ``_policy=`` value: None or ``nothing_saveable``
-    (keep only the inputs) become None; any other callable is returned as is."""
+def resolve(policy: Any, argument: str = "policy", *,
+            api: str = "checkpointable") -> Optional[Policy]:
+    """Validates a ``policy=`` / ``_policy=`` value given to ``api``: None or
+    ``nothing_saveable`` (keep only the inputs) become None; any other callable
+    is returned as is."""
     if policy is None or policy is nothing_saveable:
         return None
     if callable(policy) and not isinstance(policy, (type, str, tf.Tensor)):
@@ -282,7 +284,7 @@ def resolve(policy: Any, argument: str = "policy") -> Optional[Policy]:
     else:
         fix = "policy=tf_checkpointing.policies.dots_saveable"
     raise TypeError(
-        f"checkpointable: argument `{argument}` must be None or a save policy (a callable "
+        f"{api}: argument `{argument}` must be None or a save policy (a callable "
         "taking a tf_checkpointing.policies.OpOutput and returning a bool, such as "
         f"tf_checkpointing.policies.dots_saveable); received {policy!r} of type "
         f"{type(policy).__name__}. Pass e.g. {fix}."

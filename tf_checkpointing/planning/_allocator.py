@@ -19,7 +19,7 @@ import keras
 import tensorflow as tf
 from tensorflow.python.ops import control_flow_util
 
-from tf_checkpointing._memory import grow_cpu_pool
+from tf_checkpointing.core._memory import grow_cpu_pool
 
 __all__: list[str] = []
 

@@ -34,7 +34,9 @@ from typing import Any, Callable, Optional
 import numpy as np
 import tensorflow as tf
 
-from tf_checkpointing import policies as _policies
+from tf_checkpointing import policies as save_policies
+from tf_checkpointing.core._recompute import checkpointed
+from tf_checkpointing.core._residuals import saved_residuals
 from tf_checkpointing.planning._allocator import planning_function
 from tf_checkpointing.planning._graph_profile import variable_ids
 from tf_checkpointing.planning._profile import layer_key
@@ -64,7 +66,7 @@ def expect_policies(value: Any, api: str) -> tuple[Any, ...]:
     chosen: list[Any] = []
     for i, entry in enumerate(entries):
         if isinstance(entry, str) and entry == AUTO:
-            chosen.extend(getattr(_policies, name) for name in _AUTO_NAMES)
+            chosen.extend(getattr(save_policies, name) for name in _AUTO_NAMES)
         elif callable(entry) and not isinstance(entry, (type, str, tf.Tensor)):
             chosen.append(entry)
         else:
@@ -73,8 +75,8 @@ def expect_policies(value: Any, api: str) -> tuple[Any, ...]:
                                      f"{type(entry).__name__}{where}"))
     unique: list[Any] = []
     for policy in chosen:
-        if (policy not in unique and policy is not _policies.nothing_saveable
-                and policy is not _policies.everything_saveable):
+        if (policy not in unique and policy is not save_policies.nothing_saveable
+                and policy is not save_policies.everything_saveable):
             unique.append(policy)
     return tuple(unique)
 
@@ -163,12 +165,8 @@ def measure_calls(calls: Sequence[Callable[[Any], Any]], inputs: Sequence[Any],
 def _measure_call(fn: Callable[[Any], Any], x: Any, variables: list[Any],
                   policies: tuple[Any, ...], xla: bool, repeats: int,
                   time_all: bool) -> tuple[np.ndarray, np.ndarray, float, np.ndarray]:
-    from tf_checkpointing import checkpointable, saved_residuals
-
-    calls: dict[Any, Callable[[Any], Any]] = {
-        "plain": fn, "replay": checkpointable(fn, checkpoint=True)}
-    calls.update({i: checkpointable(fn, checkpoint=True, policy=p)
-                  for i, p in enumerate(policies)})
+    calls: dict[Any, Callable[[Any], Any]] = {"plain": fn, "replay": checkpointed(fn)}
+    calls.update({i: checkpointed(fn, policy=p) for i, p in enumerate(policies)})
 
     def kept(call: Callable[[Any], Any]) -> int:
         return sum(r.bytes for r in saved_residuals(call, x) if r.kind == "activation")
@@ -181,7 +179,7 @@ def _measure_call(fn: Callable[[Any], Any], x: Any, variables: list[Any],
         def any_policy(out: Any) -> bool:
             return any(policy(out) for policy in policies)
 
-        if kept(checkpointable(fn, checkpoint=True, policy=any_policy)) == 0:
+        if kept(checkpointed(fn, policy=any_policy)) == 0:
             return nothing
     # The model planner uses the bytes themselves: no trace of the plain call.
     plain = kept(calls["plain"]) if time_all else 0

@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 
 import tensorflow as tf
 
-from tf_checkpointing._recompute import is_differentiable
+from tf_checkpointing.core._recompute import is_differentiable
 from tf_checkpointing.planning._allocator import Allocator, nbytes, sync
 
 __all__: list[str] = []

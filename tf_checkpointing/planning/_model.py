@@ -12,16 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
-import tensorflow as tf
-
-from tf_checkpointing._seeding import random_state_kept
-from tf_checkpointing.planning._allocator import in_xla_context
-from tf_checkpointing.planning._chain import _expect_budget
-from tf_checkpointing.planning._choices import expect_policies
+from tf_checkpointing.core._seeding import random_state_kept
+from tf_checkpointing.planning._budget import LEAST, Budget
 from tf_checkpointing.planning._frozen import warn_eager_frozen
-from tf_checkpointing.planning._graph import LayerGraph, read_graph
+from tf_checkpointing.planning._graph import LayerGraph
 from tf_checkpointing.planning._graph_choices import policy_arrays
 from tf_checkpointing.planning._model_profile import (
     cached_choices,
@@ -29,8 +25,10 @@ from tf_checkpointing.planning._model_profile import (
     calibrated,
     profile_key,
 )
+from tf_checkpointing.planning._modes import step_mode
 from tf_checkpointing.planning._plan import ModelPlan
 from tf_checkpointing.planning._region_solver import nested_options, solve
+from tf_checkpointing.planning._runner import PlanRunner
 from tf_checkpointing.planning._xla import (
     measure_plan,
     model_anchor,
@@ -38,9 +36,8 @@ from tf_checkpointing.planning._xla import (
 )
 from tf_checkpointing.policies import reductions_saveable
 
-__all__ = ["ModelPlan", "plan_model"]
+__all__ = ["plan_graph"]
 
-_API = "plan_model"
 _HEADROOM = 0.10
 # A tf.function step's allocator peak over its tensors' (the model's) peak, for the
 # least plan. The BFC allocator splits a free chunk only when it is at least twice
@@ -54,108 +51,22 @@ _HEADROOM = 0.10
 # chunk_factor): the plain step's chunks are what the profile was calibrated on.
 # (XLA's one buffer is its own size: no factor.)
 _CHUNKS = 1.10
-_MODES = ("auto", "eager", "graph", "xla")
-Budget = Union[int, float, str]
 
 
-def plan_model(model: Any, inputs: Any, *, budget: Budget, mode: str = "auto",
-               policies: Any = None) -> ModelPlan:
-    """Plans which regions of a functional model to checkpoint for a memory budget.
-
-    Reads the model's layer graph (functional models, ``keras.Sequential``, and
-    functional models nested in them as layers), profiles each layer call on
-    ``inputs`` with the device allocator (the state the layers change is put
-    back), and picks the regions of consecutive calls to run checkpointed,
-    with the least recomputation whose predicted peak fits ``budget`` (see
-    :mod:`tf_checkpointing.planning._regions` for the algorithm). The model is
-    not changed: pass the plan to ``apply_checkpointing(model, plan=plan)``.
-
-    A region of a ``tf.function`` or XLA plan may be replayed under a save
-    policy: it keeps what the policy picks inside it besides its inputs, and
-    its replay skips those ops. ``policies.reductions_saveable`` is always
-    offered: it keeps the results of reductions (a BatchNorm's batch mean and
-    variance, a LayerNorm's), which cost almost no memory, and spares the
-    replay the passes over the input that made them (the benchmark U-Net's
-    halfway plan took 1.25x plain replaying them, 1.13x keeping them).
-    ``policies`` offers more. Each distinct layer call that a policy keeps
-    something of is measured under each policy (bytes kept, and its training
-    step timed as the chain planner times its layers), and the program picks
-    per region the fastest replay that fits; in eager mode a policy keeps
-    nothing, so every region replays fully there.
-
-    Args:
-        model: a built functional or Sequential Keras model.
-        inputs: a batch of its inputs at the training batch size.
-        budget: bytes a training step may allocate above what is allocated
-            before it (weights, inputs), or ``"min"`` for the least memory.
-        mode: how the step runs: ``"eager"``, ``"graph"`` (``tf.function``,
-            ``Model.fit``), ``"xla"`` (``jit_compile=True``), or ``"auto"``:
-            ``"xla"`` or ``"graph"`` while such a function is traced, else
-            ``"eager"``.
-        policies: more save policies a region may be replayed under, besides
-            ``policies.reductions_saveable``: None (the default: none more),
-            ``"auto"`` (``policies.dots_saveable`` and
-            ``policies.dots_with_no_batch_dims_saveable``), or a list of
-            policies in which ``"auto"`` stands for those two, as for
-            :func:`plan_sequential`.
-
-    Returns:
-        A :class:`ModelPlan`.
-
-    Raises:
-        ValueError: the budget is below the least any plan needs (the message
-            gives it), or the model's graph cannot be read.
-        TypeError: ``policies`` is not None, ``"auto"`` or a list of policies.
-
-    Example (with ``TF_CPU_ALLOCATOR_USE_BFC=true`` set before TensorFlow is imported):
-        >>> import keras, tensorflow as tf
-        >>> from tf_checkpointing import plan_model
-        >>> x = keras.Input((32,))
-        >>> h = x
-        >>> for _ in range(6):
-        ...     h = keras.layers.Add()([h, keras.layers.Dense(32, activation="relu")(h)])
-        >>> model = keras.Model(x, keras.layers.Dense(1)(h))
-        >>> plan = plan_model(model, tf.random.normal([256, 32]), budget="min")
-        >>> plan.predicted_peak_bytes <= plan.plain_peak_bytes
-        True
-    """
-    if mode not in _MODES:
-        raise ValueError(
-            f"{_API}: argument `mode` must be one of {', '.join(map(repr, _MODES))}; "
-            f"received mode={mode!r}. Pass mode='graph' for a tf.function or Model.fit "
-            "step, mode='xla' for jit_compile=True, mode='eager' for an eager step."
-        )
-    budget_bytes = expect_model_budget(budget, _API)
-    candidates = expect_policies(policies, _API)
-    graph = read_graph(model, _API)
-    return plan_graph(graph, inputs, budget_bytes, mode=mode, api=_API, policies=candidates)
-
-
-def expect_model_budget(budget: Any, api: str) -> Optional[int]:
-    """``budget`` in bytes, or None for ``"min"``."""
-    if isinstance(budget, str):
-        if budget == "min":
-            return None
-        raise ValueError(
-            f"{api}: argument `budget` must be a number of bytes or 'min'; received "
-            f"budget={budget!r}. Pass e.g. budget=512 * 2**20, or budget='min' for the "
-            "least memory."
-        )
-    return int(_expect_budget(budget, api))  # "min" was handled above
-
-
-def plan_graph(graph: LayerGraph, inputs: Any, budget: Optional[int], *, mode: str,
-               api: str, policies: tuple[Any, ...] = ()) -> ModelPlan:
-    """The plan for ``graph`` (profiled on ``inputs``) and ``budget`` (None: least),
-    choosing among the (validated) save ``policies`` per region. The random
-    state the layers draw from is as it was before (see ``random_state_kept``)."""
+def plan_graph(graph: LayerGraph, inputs: Any, budget: Budget, *, mode: str, api: str,
+               runner: PlanRunner, policies: tuple[Any, ...] = ()) -> ModelPlan:
+    """The plan for ``graph`` (profiled on ``inputs``) and a validated ``budget``,
+    choosing among the (validated) save ``policies`` per region; an XLA plan is
+    measured by running it with ``runner``. The random state the layers draw
+    from is as it was before (see ``random_state_kept``)."""
     _expect_layer_calls(graph, api)
     with random_state_kept():
-        return _plan_graph(graph, inputs, budget, mode=mode, api=api, policies=policies)
+        return _plan_graph(graph, inputs, None if budget == LEAST else int(budget), mode=mode,
+                           api=api, runner=runner, policies=policies)
 
 
 def _plan_graph(graph: LayerGraph, inputs: Any, budget: Optional[int], *, mode: str,
-                api: str, policies: tuple[Any, ...]) -> ModelPlan:
+                api: str, runner: PlanRunner, policies: tuple[Any, ...]) -> ModelPlan:
     mode = step_mode(mode)
     if mode == "eager":  # a policy keeps nothing in eager mode: no choice
         policies = ()
@@ -176,7 +87,7 @@ def _plan_graph(graph: LayerGraph, inputs: Any, budget: Optional[int], *, mode: 
     key = profile_key(graph, inputs, mode)
     model_plain = region_model.peak(())
     anchor = None if mode != "xla" else model_anchor(
-        key, graph, inputs, least[1], model_least=least[0],
+        key, graph, inputs, least[1], runner, model_least=least[0],
         model_plain=model_plain, plain_bytes=profile.plain_peak_bytes, api=api)
     chunks = _CHUNKS if mode == "graph" else 1.0
 
@@ -230,7 +141,7 @@ def _plan_graph(graph: LayerGraph, inputs: Any, budget: Optional[int], *, mode: 
                     region_model.peak(got[1], policies=got[2]), got[1], got[2])
 
             found, anchor = plan_within(key, anchor, usable, solve_for, lambda spans, chosen:
-                                        measure_plan(graph, inputs, api, spans, tuple(
+                                        measure_plan(graph, inputs, api, runner, spans, tuple(
                                             policies[p] if p >= 0 else None for p in chosen)))
         spans, chosen = ((found[1], found[2]) if found is not None
                          else (least_spans, least_chosen))
@@ -289,13 +200,3 @@ def _expect_layer_calls(graph: LayerGraph, api: str) -> None:
         "it without apply_checkpointing / plan_model, or pass a model that calls "
         "layers on its inputs."
     )
-
-
-def step_mode(mode: str) -> str:
-    """``"auto"`` resolved: ``"xla"`` while a ``jit_compile=True`` function is
-    traced, ``"graph"`` while another ``tf.function`` is, else ``"eager"``."""
-    if mode != "auto":
-        return mode
-    if not tf.inside_function():
-        return "eager"
-    return "xla" if in_xla_context() else "graph"

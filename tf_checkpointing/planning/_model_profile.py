@@ -19,6 +19,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_checkpointing.planning._allocator import in_fresh_thread
+from tf_checkpointing.planning._cache import registered
 from tf_checkpointing.planning._choices import PolicyChoices
 from tf_checkpointing.planning._frozen import backprop_calls, without_backward
 from tf_checkpointing.planning._graph import (
@@ -38,8 +39,8 @@ from tf_checkpointing.planning._xla import forget_model_anchor
 __all__: list[str] = []
 
 _CACHE_SIZE = 4
-_profiles: dict[Any, tuple[Any, ChainProfile, GraphCosts]] = {}
-_choices: dict[Any, tuple[Any, PolicyChoices]] = {}
+_profiles: dict[Any, tuple[Any, ChainProfile, GraphCosts]] = registered({})
+_choices: dict[Any, tuple[Any, PolicyChoices]] = registered({})
 
 
 def calibrated(costs: GraphCosts, plain_peak: int) -> RegionModel:

@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 
 import tensorflow as tf
 
-from tf_checkpointing._state import StateRecorder
+from tf_checkpointing.core._state import StateRecorder
 from tf_checkpointing.planning._allocator import concrete_inputs, in_fresh_thread, memory_device
 from tf_checkpointing.planning._graph_profile import graph_plain_peak, graph_profile
 from tf_checkpointing.planning._layer_profile import (

@@ -57,14 +57,19 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, Callable, Optional
 
-from tf_checkpointing._state import StateRecorder
+from tf_checkpointing.core._state import StateRecorder
 from tf_checkpointing.planning._allocator import concrete_inputs, in_fresh_thread, memory_device
+from tf_checkpointing.planning._cache import registered
+from tf_checkpointing.planning._frozen import backprop_calls
+from tf_checkpointing.planning._graph import LayerGraph
 from tf_checkpointing.planning._graph_profile import graph_plain_peak
+from tf_checkpointing.planning._plan import ModelPlan
+from tf_checkpointing.planning._runner import PlanRunner
 
 __all__: list[str] = []
 
 _CACHE_SIZE = 4
-_model_anchors: dict[Any, XlaAnchor] = {}  # per profile key: the measured least plan
+_model_anchors: dict[Any, XlaAnchor] = registered({})  # per profile key: the measured least plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,13 +186,13 @@ def measure_xla_step(run: Callable[[Any], Any], inputs: Any, api: str,
     return int(in_fresh_thread(measure))
 
 
-def model_anchor(key: Any, graph: Any, inputs: Any, least_spans: tuple, *,
+def model_anchor(key: Any, graph: Any, inputs: Any, least_spans: tuple, runner: PlanRunner, *,
                  model_least: float, model_plain: float, plain_bytes: int,
                  api: str) -> XlaAnchor:
     """The anchor of a whole-model plan for an XLA step: its least plan
     (``least_spans``) compiled and measured, once per profile ``key``."""
     if key not in _model_anchors:
-        least_bytes = measure_plan(graph, inputs, api, least_spans)
+        least_bytes = measure_plan(graph, inputs, api, runner, least_spans)
         _model_anchors[key] = XlaAnchor(model_least=model_least, model_plain=model_plain,
                                         least_bytes=least_bytes, plain_bytes=plain_bytes)
         while len(_model_anchors) > _CACHE_SIZE:
@@ -195,18 +200,13 @@ def model_anchor(key: Any, graph: Any, inputs: Any, least_spans: tuple, *,
     return _model_anchors[key]
 
 
-def measure_plan(graph: Any, inputs: Any, api: str, spans: tuple,
+def measure_plan(graph: LayerGraph, inputs: Any, api: str, runner: PlanRunner, spans: tuple,
                  region_policies: tuple = ()) -> int:
-    """The peak of the XLA step of ``graph``'s model run by the plan of ``spans``."""
-    # Imported here: the runner plans with the model planner, which uses this.
-    from tf_checkpointing._graph_runner import GraphRunner  # noqa: PLC0415
-    from tf_checkpointing.planning._frozen import backprop_calls  # noqa: PLC0415
-    from tf_checkpointing.planning._plan import ModelPlan  # noqa: PLC0415
-
+    """The peak of the XLA step of ``graph``'s model run (by ``runner``) by the
+    plan of ``spans``."""
     names = tuple(call.name for call in graph.calls)
     plan = ModelPlan(names, spans, "xla", None, 0, 0, 0, region_policies=region_policies)
-    runner = GraphRunner(graph, plan=plan)
-    return measure_xla_step(lambda x: runner(x, training=True), inputs, api,
+    return measure_xla_step(runner(plan), inputs, api,
                             graph.model.non_trainable_variables,
                             trainable=None if all(backprop_calls(graph, "xla"))
                             else graph.model.trainable_variables)

@@ -32,21 +32,25 @@ from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import forwardprop_util, record
 from tensorflow.python.eager import tape as tape_lib
 
-from tf_checkpointing import _keras_context, _saving, _seeding
-from tf_checkpointing._captures import CaptureGuard
-from tf_checkpointing._control_flow import CaptureMap
-from tf_checkpointing._flags import checkpoint_scope, is_recomputing
-from tf_checkpointing._losses import put_back, with_added_losses
-from tf_checkpointing._ordering import (
+from tf_checkpointing.core import _keras_context, _save_policies, _seeding
+from tf_checkpointing.core._captures import CaptureGuard
+from tf_checkpointing.core._control_flow import CaptureMap
+from tf_checkpointing.core._flags import checkpoint_scope, is_recomputing
+from tf_checkpointing.core._losses import put_back, with_added_losses
+from tf_checkpointing.core._ordering import (
     after_gradient,
     after_replay,
     fresh_copies,
     variable_reads,
     weight_gradients_first,
 )
-from tf_checkpointing._replay_check import check_mode_from_environment, signature, verify_replay
-from tf_checkpointing._state import StateRecorder, replayed_state
-from tf_checkpointing._structure import (
+from tf_checkpointing.core._replay_check import (
+    check_mode_from_environment,
+    signature,
+    verify_replay,
+)
+from tf_checkpointing.core._state import StateRecorder, replayed_state
+from tf_checkpointing.core._structure import (
     Flattened,
     is_differentiable,  # noqa: F401 (re-exported for planning)
     refuse_chained_outputs,
@@ -88,7 +92,7 @@ def checkpointed_call(
         check: False, True (compare the replay's output structure, shapes and
             dtypes with the forward's) or ``"values"`` (compare values too).
         policy: a save policy (``tf_checkpointing.policies``): also keep the
-            outputs it picks and reuse them in the replay (``_saving``).
+            outputs it picks and reuse them in the replay (``_save_policies``).
         private_outputs: positions (in flattened order) of outputs only the caller's
             own ops read, never a user's tape, so they may feed other outputs
             without a warning (the regions of a whole-model plan).
@@ -109,7 +113,7 @@ def checkpointed_call(
     fn, loss_owners = with_added_losses(fn)
     replay = _Replay(fn, flat, positions, watch_vars, force_seed, check)
     if policy is not None:
-        replay.saver = _saving.Saver(policy)
+        replay.saver = _save_policies.Saver(policy)
     returned: dict[str, Any] = {}
 
     @tf.custom_gradient
@@ -139,13 +143,37 @@ def checkpointed_call(
     return result
 
 
+def checkpointed(fn: Callable[..., Any], *, policy: Any = None) -> Callable[..., Any]:
+    """``fn`` as a callable whose calls are checkpointed (under ``policy``) when a
+    gradient can be taken, and run directly otherwise: what
+    ``checkpointable(fn, checkpoint=True, policy=policy)`` runs, without the
+    decorator's call-time options. The planner measures layers through it.
+
+        >>> import tensorflow as tf
+        >>> from tf_checkpointing.core._recompute import checkpointed
+        >>> x = tf.ones([2, 3])
+        >>> with tf.GradientTape() as tape:
+        ...     tape.watch(x)
+        ...     y = checkpointed(tf.sin)(x)
+        >>> bool(tf.reduce_all(tape.gradient(y, x) == tf.cos(x)))
+        True
+    """
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if not needs_checkpoint():
+            return fn(*args, **kwargs)
+        return checkpointed_call(fn, args, kwargs, policy=policy)
+
+    return call
+
+
 class _Replay:
     """What the backward pass needs to replay one call, and nothing more: the
     inputs, the state the forward saw, and the shape of its outputs. It holds no
     activation and no output of the forward (unless ``check="values"``, or a
     save policy's picks: ``saver``)."""
 
-    saver: Any = _saving.NO_SAVER
+    saver: Any = _save_policies.NO_SAVER
 
     def __init__(self, fn, flat, positions, watch_vars, force_seed, check):
         self.fn = fn

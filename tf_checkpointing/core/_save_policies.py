@@ -41,8 +41,9 @@ import tensorflow as tf
 from tensorflow.python.framework import op_callbacks
 from tensorflow.python.ops import control_flow_util
 
-from tf_checkpointing import _draws, _residuals, policies
-from tf_checkpointing._flags import is_checkpointing
+from tf_checkpointing import policies
+from tf_checkpointing.core import _draws, _residuals
+from tf_checkpointing.core._flags import is_checkpointing
 
 __all__ = ["checkpoint_name"]
 

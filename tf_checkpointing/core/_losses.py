@@ -28,7 +28,7 @@ removed from the layers' lists afterwards.
 
 Example:
     >>> import keras, tensorflow as tf
-    >>> from tf_checkpointing._losses import with_added_losses, put_back
+    >>> from tf_checkpointing.core._losses import with_added_losses, put_back
     >>> layer = keras.layers.Dense(2, activity_regularizer="l2")
     >>> run, added = with_added_losses(lambda x: layer(x))
     >>> y, losses = run(tf.ones([1, 3]))

@@ -14,8 +14,8 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_checkpointing._errors import ReplayMismatchError
-from tf_checkpointing._structure import Flattened
+from tf_checkpointing.core._errors import ReplayMismatchError
+from tf_checkpointing.core._structure import Flattened
 
 __all__ = ["CHECK_ENV_VAR", "check_mode_from_environment", "signature", "verify_replay"]
 

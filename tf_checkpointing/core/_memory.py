@@ -25,11 +25,11 @@ or from the shell: `TF_CPU_ALLOCATOR_USE_BFC=true python train.py`.
 
 Example:
     >>> import tensorflow as tf            # TF_CPU_ALLOCATOR_USE_BFC=true set before this
-    >>> from tf_checkpointing import peak_memory
+    >>> from tf_checkpointing import measure
     >>> def step():
     ...     x = tf.random.uniform([1024, 1024])      # 4 MiB
     ...     return tf.reduce_sum(x * 2.0)            # and 4 MiB more for x * 2
-    >>> peak_memory(step) >= 8 * 2**20           # both tensors alive at once
+    >>> measure(step).peak_bytes >= 8 * 2**20    # both tensors alive at once
     True
 
 Measurements nest: a `measure` inside another one resets the device's statistics,
@@ -45,7 +45,7 @@ from typing import Any, Callable, Generic, Optional, TypeVar
 
 import tensorflow as tf
 
-__all__ = ["MemoryStats", "default_memory_device", "grow_cpu_pool", "measure", "peak_memory",
+__all__ = ["MemoryStats", "default_memory_device", "grow_cpu_pool", "measure",
            "statistics_status"]
 
 T = TypeVar("T")
@@ -96,7 +96,7 @@ def default_memory_device() -> str:
     """Returns the device `measure` uses by default: the first GPU if any, else "CPU:0".
 
     Example:
-        >>> from tf_checkpointing._memory import default_memory_device
+        >>> from tf_checkpointing.core._memory import default_memory_device
         >>> default_memory_device() in ("GPU:0", "CPU:0")
         True
     """
@@ -158,36 +158,6 @@ def measure(fn: Callable[..., T], *args: Any, device: Optional[str] = None,
                        result=result)
 
 
-def peak_memory(fn: Callable[..., Any], *args: Any, device: Optional[str] = None,
-                **kwargs: Any) -> int:
-    """Returns the peak bytes allocated above the starting level while `fn` runs.
-
-    The same as `measure(fn, *args, device=device, **kwargs).peak_bytes`.
-
-    Args:
-        fn: the function to run, e.g. one training step.
-        *args: positional arguments for `fn`.
-        device: the device to read, e.g. "GPU:0"; default: first GPU, else "CPU:0".
-        **kwargs: keyword arguments for `fn`.
-
-    Returns:
-        Peak bytes above the level at the start of the call.
-
-    Raises:
-        ValueError: `device` does not name exactly one device of this process.
-        RuntimeError: the device's allocator keeps no statistics, or on CPU only
-            partial ones (TensorFlow was started without
-            `TF_CPU_ALLOCATOR_USE_BFC=true`); the message says how to enable them.
-
-    Example:
-        >>> import tensorflow as tf            # TF_CPU_ALLOCATOR_USE_BFC=true set before this
-        >>> from tf_checkpointing import peak_memory
-        >>> peak_memory(lambda: tf.reduce_sum(tf.zeros([1024, 1024]) + 1.0)) >= 4 * 2**20
-        True
-    """
-    return measure(fn, *args, device=device, **kwargs).peak_bytes
-
-
 def _memory_info(device: str) -> dict[str, int]:
     try:
         info = tf.config.experimental.get_memory_info(device)
@@ -231,7 +201,7 @@ def statistics_status(device: str) -> str:
     """Whether `measure` can read `device`, in words (for bug reports).
 
     Example:
-        >>> from tf_checkpointing._memory import statistics_status
+        >>> from tf_checkpointing.core._memory import statistics_status
         >>> statistics_status("CPU:0")   # TF_CPU_ALLOCATOR_USE_BFC=true set before TF
         'available'
     """
@@ -285,7 +255,7 @@ def grow_cpu_pool(device: str = "CPU:0") -> None:
     frees a region). Regions allocated before still serve the requests they fit.
 
     Example:
-        >>> from tf_checkpointing._memory import grow_cpu_pool
+        >>> from tf_checkpointing.core._memory import grow_cpu_pool
         >>> grow_cpu_pool("CPU:0")   # once; later calls do nothing
     """
     if device in _grown_devices or "CPU" not in device.upper():

@@ -27,7 +27,7 @@ import tensorflow as tf
 __all__ = ["Residual", "print_saved_residuals", "saved_residuals"]
 
 # Per graph: names of the ops made by checkpoint_name, and of the identities a
-# replay put in place of a kept op (see _saving).
+# replay put in place of a kept op (see _save_policies).
 checkpoint_names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 substitutions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -265,7 +265,7 @@ def held_bytes(fn: Callable[..., Any], *args: Any, device: Optional[str] = None,
     running, with their temporaries, when it is taken; on a loaded machine one
     step of a small decoder read 173 KB against the 143 KB its saved tensors
     list (alone, its steps read within 15% of that; 2026-11-25)."""
-    from tf_checkpointing._memory import _memory_info, default_memory_device
+    from tf_checkpointing.core._memory import _memory_info, default_memory_device
 
     device = device or default_memory_device()
     readings: list[int] = []

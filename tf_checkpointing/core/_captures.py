@@ -28,7 +28,7 @@ from tensorflow.python.eager import record
 from tensorflow.python.framework import func_graph, op_callbacks
 from tensorflow.python.ops import control_flow_v2_func_graphs as _cf_graphs
 
-from tf_checkpointing._structure import Consumed, is_differentiable, may_carry_gradient
+from tf_checkpointing.core._structure import Consumed, is_differentiable, may_carry_gradient
 
 __all__: list[str] = []
 
