@@ -37,3 +37,14 @@ def test_most_snippets_run():
     """The filter above leaves most examples in: it must not hide them all."""
     total = sum(len(BLOCK.findall(page.read_text())) for page in PAGES)
     assert len(list(_blocks())) >= total // 2
+
+
+def test_the_api_reference_lists_every_public_name():
+    """docs/api.md documents exactly what the package exports, and the export fits a
+    screen."""
+    import tf_checkpointing
+
+    documented = set(re.findall(r"^::: tf_checkpointing\.(\w+)$",
+                                (REPO / "docs" / "api.md").read_text(), re.MULTILINE))
+    assert documented == set(tf_checkpointing.__all__)
+    assert len(tf_checkpointing.__all__) <= 30

@@ -52,7 +52,7 @@ def _schedules(s, t):
 
 def _work(profile, pieces):
     seconds = [layer.seconds for layer in profile.layers]
-    counts = SequentialPlan(len(seconds), pieces).forward_counts
+    counts = SequentialPlan(tuple(map(str, range(len(seconds)))), pieces).forward_counts
     return sum(c * s for c, s in zip(counts, seconds))
 
 
@@ -276,7 +276,7 @@ def test_str_describes_the_schedule():
     profile = _synthetic([1000] * (n + 1), [4000] * n, [1.0] * n)
     plan = solve(profile, solve(profile, 2**40).min_budget_bytes)
     text = str(plan)
-    assert text.startswith("SequentialPlan: 12 layers, budget ")
+    assert text.startswith("SequentialPlan (eager): 12 layers, budget ")
     assert "predicted peak" in text and "extra layer forwards" in text
     assert "[0, " in text and "checkpointed" in text
     assert len(text.splitlines()) >= 1 + len(plan.pieces)

@@ -100,7 +100,7 @@ def test_a_cheap_policy_replaces_full_replays_and_an_expensive_one_does_not():
     ).predicted_extra_seconds
     expensive = solve(profile, budget, choices=_choices(n, [0.3, 0.9], [5.0, 5.0]))
     assert not any(_policies_of(expensive.pieces))
-    assert "checkpointed with dots_saveable (1 layers)" in str(cheap)
+    assert "checkpointed with dots_saveable (1 layer:" in str(cheap)
     assert "policies to choose from: dots_saveable, dots_with_no_batch_dims_saveable" in str(
         cheap)
 
@@ -132,7 +132,11 @@ def _blocks(n=5, width=16):
     return blocks, x
 
 
-MIXED = SequentialPlan(num_layers=5, pieces=(
+def _names(n):
+    return tuple(f"layer{i}" for i in range(n))
+
+
+MIXED = SequentialPlan(names=_names(5), pieces=(
     Segment(0, 1, True, policy=DOTS),
     Segment(1, 3, True, (Segment(1, 2, True, policy=NO_BATCH), Segment(2, 3, False))),
     Segment(3, 4, True, policy=policies.save_only_these_names("nothing named")),
@@ -158,7 +162,7 @@ def test_a_plan_mixing_policies_gives_plain_gradients(mode):
         return compile_step(step, mode)(x)
 
     routed = [{"training": True}] * 5
-    plain = grads(lambda x: run_plan(blocks, SequentialPlan(5, (Segment(0, 5, False),)), x,
+    plain = grads(lambda x: run_plan(blocks, SequentialPlan(_names(5), (Segment(0, 5, False),)), x,
                                      {"training": True}, routed))
     plain_state = [v.numpy() for v in seeds]
     before = [b.runs for b in blocks]
@@ -202,7 +206,7 @@ def test_planned_chain_in_a_function_is_exact_and_within_its_prediction():
     plan = layer.plan
     assert plan.budget_bytes == budget and plan.predicted_peak_bytes <= budget
     assert plan.policies == (DOTS, NO_BATCH) and plan.extra_forward_layers > 0
-    assert str(plan).startswith("SequentialPlan: 6 layers, budget")
+    assert str(plan).startswith("SequentialPlan (graph): 6 layers, budget")
 
 
 def test_eager_plans_choose_no_policy():

@@ -41,10 +41,10 @@ def test_the_program_plans_with_it():
     model = RegionModel(_chain_costs())
     found = solve(model, None)
     assert found is not None
-    peak, spans = found
+    peak, spans, _ = found
     assert np.isclose(peak, model.peak(spans), rtol=0.02)  # agree, up to its units
     limit = model.peak(((0, 2, ()), (2, 4, ())))
-    work, spans = solve(model, limit)
+    work, spans, _ = solve(model, limit)
     assert model.peak(spans) <= limit
 
 
@@ -77,7 +77,7 @@ def test_a_skip_no_later_backward_reads_is_not_held_by_its_region():
 
 def test_the_least_plan_cuts_after_the_last_backward_reading_the_skip():
     model = RegionModel(_skip_costs([[0], [1], [2], [], [4], [5]]))
-    peak, spans = solve(model, None)
+    peak, spans, _ = solve(model, None)
     assert model.peak(((0, 2, ()),)) < model.peak(((0, 1, ()), (1, 3, ())))
     assert peak < RegionModel(_skip_costs(None)).peak(spans)
 

@@ -71,7 +71,7 @@ def _plain(layers, **kwargs):
     return run
 
 
-NESTED = SequentialPlan(7, (
+NESTED = SequentialPlan(tuple(f"layer{i}" for i in range(7)), (
     Segment(0, 4, True, (Segment(0, 1, True), Segment(1, 3, True, (
         Segment(1, 2, True), Segment(2, 3, False))), Segment(3, 4, False))),
     Segment(4, 5, False),
@@ -363,10 +363,10 @@ class TestErrors:
                                              rf"of bytes; received budget={budget}"):
             checkpoint_sequential([tf.nn.relu] * 2, tf.ones([2]), budget=budget)
 
-    @pytest.mark.parametrize("budget", ["1GB", True])
-    def test_budget_not_a_number(self, budget):
-        with pytest.raises(TypeError, match=r"`budget` must be a number of bytes or \"min\"; "
-                                            r"received"):
+    @pytest.mark.parametrize(("budget", "error"), [("1GB", ValueError), (True, TypeError)])
+    def test_budget_not_a_number(self, budget, error):
+        with pytest.raises(error, match=r"`budget` must be a number of bytes or \"min\"; "
+                                        r"received"):
             checkpoint_sequential([tf.nn.relu] * 2, tf.ones([2]), budget=budget)
 
     def test_budget_below_the_minimum(self):

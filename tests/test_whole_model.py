@@ -112,7 +112,7 @@ def test_gradients_and_state_equal_plain(name, mode):
         variable.assign(value)
     plan = tc.plan_model(model, inputs if len(inputs) > 1 else inputs[0], budget="min",
                          mode="eager")
-    if not plan.spans:
+    if not plan.regions:
         # These models are a few KiB: whether the least plan beats plain is at the
         # allocator's noise (a fresh clone's CI once got 0.06 MiB predicted against
         # 0.05 plain for the U-Net), and what is tested here is the replay. Two
@@ -188,7 +188,7 @@ def test_plan_lists_regions_by_layer_name():
     for region in map(flat, plan.regions):
         assert region == names[names.index(region[0]):names.index(region[0]) + len(region)]
     assert plan.extra_forward_layers >= sum(len(flat(r)) for r in plan.regions)
-    assert "ModelPlan" in str(plan) and "checkpointed regions" in str(plan)
+    assert "ModelPlan" in str(plan) and "checkpointed region" in str(plan)
     assert plan.predicted_peak_bytes <= plan.plain_peak_bytes
 
 
@@ -267,7 +267,7 @@ def test_a_plan_runs_another_instance_of_the_same_architecture():
     keras.utils.set_random_seed(0)
     second = unet()
     second.set_weights(first.get_weights())
-    assert plan.spans and [c for c in plan.call_names if c not in
+    assert plan.regions and [c for c in plan.call_names if c not in
                            {layer.name for layer in second.layers}]
     tc.apply_checkpointing(second, plan=plan)
     expected = grads_of(lambda x: first(x, training=True), [x], first.trainable_variables,
@@ -319,6 +319,7 @@ def test_an_xla_plan_that_measures_above_its_budget_is_chosen_again():
     """XLA's peak is not a line in the model's peak (ResNet50's plans between the
     least and plain measured up to 24% above it): the plan chosen for a budget
     is measured, and chosen again on the curve through the measured points."""
+    from tf_checkpointing.planning._region_solver import Solution
     from tf_checkpointing.planning._xla import XlaAnchor, plan_within
 
     anchor = XlaAnchor(model_least=100, model_plain=400, least_bytes=250, plain_bytes=400)
@@ -331,17 +332,17 @@ def test_an_xla_plan_that_measures_above_its_budget_is_chosen_again():
 
     def solve_for(limit):
         g = max(c for c in candidates if c <= limit)
-        return g, ((0, g, ()),), ()
+        return Solution(g, ((0, g, ()),), ())
 
     def measure(spans, chosen):
         measured.append(spans[0][1])
         return xla_peak(spans[0][1])
 
-    found, fitted = plan_within(None, anchor, 325.0, solve_for, measure)
+    found, _, fitted = plan_within(None, anchor, 325.0, solve_for, measure)
     # The line picks the plan at 250 (predicted 325, measured 400); the curve
     # through that point picks the one at 150, which measures 325.
     assert measured == [250, 150]
-    assert found[0] == 150 and fitted.predict(150) == xla_peak(150) == 325.0
+    assert found.value == 150 and fitted.predict(150) == xla_peak(150) == 325.0
     assert fitted.predict(250) == 400.0 and fitted.model_limit(325.0) == 150.0
 
 

@@ -116,7 +116,7 @@ peaks, plan = measured("plan")
 print("RESULT", json.dumps({"plain": plain[1], "planned_plain": plan.plain_peak_bytes,
                             "budget": plan.budget_bytes, "largest": peaks[-1],
                             "predicted": plan.predicted_peak_bytes, "median": peaks[1],
-                            "regions": len(plan.spans)}))
+                            "regions": len(plan.regions)}))
 """
 
 
@@ -201,7 +201,7 @@ def trained(budget):
 
 plain, ours = trained(None), trained("min")
 print("RESULT", json.dumps({
-    "regions": len(ours.call.plan.spans),
+    "regions": len(ours.call.plan.regions),
     "diff": max(float(np.max(np.abs(a.numpy() - b.numpy())))
                 for a, b in zip(plain.variables, ours.variables))}))
 """

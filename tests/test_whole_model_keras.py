@@ -39,7 +39,7 @@ def test_mixed_precision_gradients_equal_plain(mixed_float16, mode):
     for variable, value in zip(model.variables, before):
         variable.assign(value)
     plan = tc.plan_model(model, x, budget="min", mode="eager")
-    assert plan.spans
+    assert plan.regions
     tc.apply_checkpointing(model, plan=plan)
     ours = grads_of(fn, [x], model.trainable_variables, mode)
     assert_all_close(ours, plain, rtol=1e-3, atol=1e-3)
@@ -82,7 +82,7 @@ MIRRORED = textwrap.dedent("""
             model.compile("sgd", "mse")
         model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
         weights.append([w.tolist() for w in model.get_weights()])
-    print("PLAN", model.call.plan is not None and bool(model.call.plan.spans))
+    print("PLAN", model.call.plan is not None and bool(model.call.plan.regions))
     print("RESULT", json.dumps(weights))
 """)
 

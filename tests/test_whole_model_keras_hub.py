@@ -77,5 +77,5 @@ def test_a_least_plan_no_better_than_plain_is_plain():
     model = keras.Model(backbone.input, keras.layers.Dense(10)(head))
     plan = tc.plan_model(model, tf.random.normal([8, 32, 32, 3]), budget="min", mode="graph")
     # (the plain plan predicted as the calibrated model does: within a few bytes)
-    assert plan.spans == (), str(plan)
+    assert plan.regions == [], str(plan)
     assert plan.predicted_peak_bytes <= plan.plain_peak_bytes * 1.001, str(plan)

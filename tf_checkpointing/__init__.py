@@ -26,13 +26,14 @@ from tf_checkpointing.core._flags import is_checkpointing, is_recomputing
 from tf_checkpointing.core._memory import MemoryStats, measure
 from tf_checkpointing.core._residuals import Residual, print_saved_residuals, saved_residuals
 from tf_checkpointing.core._save_policies import checkpoint_name
-from tf_checkpointing.planning._plan import ModelPlan, Segment, SequentialPlan
+from tf_checkpointing.planning._plan import ModelPlan, Plan, Segment, SequentialPlan
 
 __all__ = [
     "ChainedOutputWarning",
     "CheckpointedSequential",
     "MemoryStats",
     "ModelPlan",
+    "Plan",
     "RematScope",
     "ReplayMismatchError",
     "Residual",

@@ -20,7 +20,6 @@ from typing import Any, Callable, Optional, TypeVar, overload
 
 import keras
 import wrapt
-from tensorflow.python.autograph.core import config as _autograph_config
 
 from tf_checkpointing import policies
 from tf_checkpointing._layer_proxy import CheckpointedLayer
@@ -32,6 +31,7 @@ from tf_checkpointing._options import (
     _Options,
     dispatch,
 )
+from tf_checkpointing.core._internals import autograph_config as _autograph_config
 
 __all__: list[str] = []
 

@@ -32,10 +32,9 @@ import warnings
 from typing import Any, Optional
 
 import keras
-from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
-from keras.src.models.functional import unpack_singleton
 
 from tf_checkpointing.core._flags import checkpoint_scopes_entered
+from tf_checkpointing.core._internals import get_keras_mask, set_keras_mask, unpack_singleton
 from tf_checkpointing.core._losses import AddedLosses
 from tf_checkpointing.core._recompute import checkpointed_call, needs_checkpoint
 from tf_checkpointing.planning._budget import Budget
@@ -49,7 +48,7 @@ from tf_checkpointing.planning._graph import (
 )
 from tf_checkpointing.planning._model import plan_graph
 from tf_checkpointing.planning._modes import step_mode
-from tf_checkpointing.planning._plan import ModelPlan
+from tf_checkpointing.planning._plan import ModelPlan, Segment
 from tf_checkpointing.planning._reuse import PlansByShape
 from tf_checkpointing.planning._runner import PlanRunner
 
@@ -109,7 +108,7 @@ class GraphRunner:
             self._run(env, 0, n, context)
         else:
             self.plan = plan
-            self._run_spans(env, 0, n, plan.spans, context, plan.region_policies)
+            self._run_pieces(env, plan.pieces, context)
         outputs = [env[k] for k in self.graph.output_keys]
         return unpack_singleton(keras.tree.pack_sequence_as(
             functional._outputs_struct, outputs))  # noqa: SLF001
@@ -140,7 +139,8 @@ class GraphRunner:
         for the kind it was made for (a graph frees what an eager step keeps,
         XLA assigns buffers its own way)."""
         plan = self.plan
-        if plan is None or not plan.spans or plan.mode == mode or mode in self._warned:
+        if plan is None or not any(plan.checkpointed) or plan.mode == mode or (
+                mode in self._warned) or plan.predicted_peak_bytes is None:
             return
         self._warned.add(mode)
         warnings.warn(
@@ -152,18 +152,14 @@ class GraphRunner:
             "'xla'), or pass budget=... to plan on the first training step.",
             UserWarning, stacklevel=4)
 
-    def _run_spans(self, env: dict[Key, Any], start: int, stop: int, spans: tuple,
-                   context: dict, policies: tuple = ()) -> None:
-        """Runs ``[start, stop)``, the ``(start, stop, inner)`` spans checkpointed,
-        each under the save policy at its position in ``policies`` (None or
-        missing: a full replay)."""
-        at = start
-        for k, (a, c, inner) in enumerate(spans):
-            self._run(env, at, a, context)
-            policy = policies[k] if k < len(policies) else None
-            self._run_checkpointed(env, a, c, inner, context, policy)
-            at = c
-        self._run(env, at, stop, context)
+    def _run_pieces(self, env: dict[Key, Any], pieces: tuple[Segment, ...],
+                    context: dict) -> None:
+        """Runs the calls of ``pieces``, the checkpointed ones as one region each."""
+        for piece in pieces:
+            if piece.checkpointed:
+                self._run_checkpointed(env, piece, context)
+            else:
+                self._run(env, piece.start, piece.stop, context)
 
     def _run(self, env: dict[Key, Any], start: int, stop: int, context: dict) -> None:
         for i in range(start, stop):
@@ -177,8 +173,8 @@ class GraphRunner:
             if self._last.get(key, -1) <= i and key in env:
                 del env[key]
 
-    def _run_checkpointed(self, env: dict[Key, Any], start: int, stop: int, inner: tuple,
-                          context: dict, policy: Any = None) -> None:
+    def _run_checkpointed(self, env: dict[Key, Any], piece: Segment, context: dict) -> None:
+        start, stop = piece.start, piece.stop
         calls = self.graph.calls[start:stop]
         made = {k for call in calls for k in call.out_keys}
         entering = list(dict.fromkeys(k for call in calls for k in call.in_keys
@@ -196,10 +192,10 @@ class GraphRunner:
                     set_keras_mask(value, m)
             # The first call is the forward; later ones are replays.
             entered = checkpoint_scopes_entered()
-            with _writes_kept_out(replay=bool(runs), flat=not inner and not any(runs)):
+            with _writes_kept_out(replay=bool(runs), flat=not piece.inner and not any(runs)):
                 # Nested regions are checkpointed in the replay (in the forward, which
                 # runs untaped, they simply run).
-                self._run_spans(local, start, stop, inner, context)
+                self._run_pieces(local, piece.pieces, context)
             runs.append(checkpoint_scopes_entered() != entered)
             out = [local[k] for k in leaving]
             return out, [get_keras_mask(v) for v in out]
@@ -213,7 +209,7 @@ class GraphRunner:
         private = [k for k, key in enumerate(leaving) if key not in model_outputs]
         out, out_masks = checkpointed_call(region, (values, masks), {},
                                            force_seed=self.force_seed, check=self.check,
-                                           policy=policy, private_outputs=private)
+                                           policy=piece.policy, private_outputs=private)
         for key, value, m in zip(leaving, out, out_masks):
             if m is not None:
                 set_keras_mask(value, m)

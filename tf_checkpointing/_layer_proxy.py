@@ -18,12 +18,8 @@ import keras
 import wrapt
 
 from tf_checkpointing._options import _OPTION_NAMES, _is_symbolic, _Options, dispatch
+from tf_checkpointing.core._internals import symbolic_scope
 from tf_checkpointing.core._recompute import needs_checkpoint
-
-try:  # Keras 3 marks its output-shape inference with this scope (not public API)
-    from keras.src.backend.common import symbolic_scope as _symbolic_scope
-except ImportError:  # pragma: no cover - another Keras: always checkpoint
-    _symbolic_scope = None
 
 __all__: list[str] = []
 
@@ -95,4 +91,5 @@ def _pending_options() -> list[tuple[CheckpointedLayer, dict[str, Any]]]:
 
 
 def _in_symbolic_scope() -> bool:
-    return _symbolic_scope is not None and _symbolic_scope.in_symbolic_scope()
+    # Keras 3 marks its output-shape inference with this scope.
+    return symbolic_scope.in_symbolic_scope()

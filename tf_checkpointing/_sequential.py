@@ -28,7 +28,7 @@ import tensorflow as tf
 from tf_checkpointing import policies as save_policies
 from tf_checkpointing.core._recompute import checkpointed_call, needs_checkpoint
 from tf_checkpointing.planning._budget import expect_budget
-from tf_checkpointing.planning._calling import route_keywords, validate_layers
+from tf_checkpointing.planning._calling import layer_names, route_keywords, validate_layers
 from tf_checkpointing.planning._chain import cached_plan
 from tf_checkpointing.planning._choices import expect_policies
 from tf_checkpointing.planning._frozen import tape_reaches
@@ -115,7 +115,7 @@ def checkpoint_sequential(
     if not needs_checkpoint():  # eager with no tape: nothing to plan or keep
         return _run_layers(layers, routed, 0, len(layers), inputs)
     if budget is None:
-        plan = even_plan(len(layers), count)
+        plan = even_plan(layer_names(layers), count)
     else:
         plan = cached_plan(layers, inputs, budget, kwargs, routed, api=_API,
                            runner=chain_runner(layers, kwargs, routed), policies=candidates,
@@ -198,7 +198,7 @@ def plan_sequential(layers: Any, inputs: Any, *, budget: Union[float, str],
         >>> mixed.predicted_peak_bytes <= 4 * 2**20
         True
         >>> print(mixed)  # doctest: +ELLIPSIS
-        SequentialPlan: 16 layers, budget 4.00 MiB -> ...
+        SequentialPlan (graph): 16 layers, budget 4.00 MiB -> ...
     """
     api = "plan_sequential"
     layers = validate_layers(layers, api)

@@ -24,7 +24,7 @@ from tf_checkpointing._sequential import (
 )
 from tf_checkpointing.core._recompute import needs_checkpoint
 from tf_checkpointing.planning._budget import Budget, expect_budget
-from tf_checkpointing.planning._calling import route_keywords, validate_layers
+from tf_checkpointing.planning._calling import layer_names, route_keywords, validate_layers
 from tf_checkpointing.planning._chain import cached_plan
 from tf_checkpointing.planning._frozen import frozen_prefix, tape_reaches
 from tf_checkpointing.planning._modes import step_mode
@@ -107,7 +107,7 @@ class CheckpointedSequential(keras.layers.Layer):
         >>> len(step(tf.random.normal([512, 256])))
         12
         >>> print(body.plan)  # doctest: +ELLIPSIS
-        SequentialPlan: 6 layers, budget 8.00 MiB -> ...
+        SequentialPlan (graph): 6 layers, budget 8.00 MiB -> ...
     """
 
     def __init__(self, layers: Sequence[keras.layers.Layer], segments: Segments = "sqrt",
@@ -146,7 +146,8 @@ class CheckpointedSequential(keras.layers.Layer):
         # (frozen ones: unfreezing plans anew).
         self._plans: dict[int, PlansByShape[SequentialPlan]] = {}
         if budget is None:
-            self.plan = even_plan(len(layers), expect_segments(segments, len(layers), api))
+            self.plan = even_plan(layer_names(layers), expect_segments(segments, len(layers),
+                                                                       api))
 
     def build(self, input_shape: Any) -> None:
         # Like keras.Sequential.build: a symbolic pass creates every layer's weights.

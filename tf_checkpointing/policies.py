@@ -14,7 +14,8 @@ are such callables; ``save_only_these_names`` and ``save_anything_except_these_n
 build one from names given with :func:`tf_checkpointing.checkpoint_name`.
 
 Example:
-    >>> import tensorflow as tf
+    >>> import keras
+import tensorflow as tf
     >>> from tf_checkpointing import checkpointable, policies
     >>> @checkpointable(checkpoint=True, policy=policies.dots_saveable)
     ... def block(x, w):
@@ -29,8 +30,10 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any, Callable, Optional
 
+import keras
 import tensorflow as tf
 
 __all__ = [
@@ -301,8 +304,6 @@ def to_config(policy: Optional[Policy]) -> Any:
     name = getattr(policy, "__name__", "")
     if getattr(_module(), name, None) is policy:
         return name
-    import keras
-
     return keras.saving.serialize_keras_object(policy)
 
 
@@ -317,13 +318,9 @@ def from_config(config: Any) -> Any:
             config[0] == "save_from_both_policies"):
         return save_from_both_policies(*(from_config(c) for c in config[1]))
     if isinstance(config, dict):
-        import keras
-
         return keras.saving.deserialize_keras_object(config)
     return config
 
 
 def _module() -> Any:
-    import sys
-
     return sys.modules[__name__]

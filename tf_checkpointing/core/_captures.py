@@ -24,10 +24,9 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 import tensorflow as tf
-from tensorflow.python.eager import record
-from tensorflow.python.framework import func_graph, op_callbacks
-from tensorflow.python.ops import control_flow_v2_func_graphs as _cf_graphs
 
+from tf_checkpointing.core._internals import control_flow_v2_func_graphs as _cf_graphs
+from tf_checkpointing.core._internals import func_graph, op_callbacks, record
 from tf_checkpointing.core._structure import Consumed, is_differentiable, may_carry_gradient
 
 __all__: list[str] = []

@@ -26,7 +26,8 @@ from collections.abc import Iterator
 from typing import Any, Callable, Optional
 
 import tensorflow as tf
-from tensorflow.python.framework import func_graph
+
+from tf_checkpointing.core._internals import func_graph
 
 __all__: list[str] = []
 

@@ -15,20 +15,15 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-__all__: list[str] = []
+from tf_checkpointing.core._internals import keras_global_state
 
-try:  # Keras 3 keeps these in its global state; the names are not public API.
-    from keras.src.backend.common import global_state as _global_state
-except ImportError:  # pragma: no cover - another Keras: nothing to carry over
-    _global_state = None
+__all__: list[str] = []
 
 _ATTRIBUTES = ("current_call_ctx", "autocast_scope")
 
 
 def capture() -> tuple[Any, ...]:
-    if _global_state is None:
-        return ()
-    return tuple(_global_state.get_global_attribute(name) for name in _ATTRIBUTES)
+    return tuple(keras_global_state.get_global_attribute(name) for name in _ATTRIBUTES)
 
 
 @contextlib.contextmanager
@@ -38,9 +33,9 @@ def restored(captured: tuple[Any, ...]) -> Iterator[None]:
         return
     saved = capture()
     for name, value in zip(_ATTRIBUTES, captured):
-        _global_state.set_global_attribute(name, value)
+        keras_global_state.set_global_attribute(name, value)
     try:
         yield
     finally:
         for name, value in zip(_ATTRIBUTES, saved):
-            _global_state.set_global_attribute(name, value)
+            keras_global_state.set_global_attribute(name, value)

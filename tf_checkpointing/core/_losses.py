@@ -50,7 +50,8 @@ from typing import Any, Callable
 
 import keras
 import wrapt
-from keras.src import backend
+
+from tf_checkpointing.core._internals import keras_backend as backend
 
 __all__ = ["AddedLosses", "put_back", "with_added_losses"]
 

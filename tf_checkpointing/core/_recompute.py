@@ -28,14 +28,12 @@ from collections.abc import Collection, Iterator, Sequence
 from typing import Any, Callable, Optional
 
 import tensorflow as tf
-from tensorflow.python import pywrap_tfe
-from tensorflow.python.eager import forwardprop_util, record
-from tensorflow.python.eager import tape as tape_lib
 
 from tf_checkpointing.core import _keras_context, _save_policies, _seeding
 from tf_checkpointing.core._captures import CaptureGuard
 from tf_checkpointing.core._control_flow import CaptureMap
 from tf_checkpointing.core._flags import checkpoint_scope, is_recomputing
+from tf_checkpointing.core._internals import forwardprop_util, pywrap_tfe, record, tape_lib
 from tf_checkpointing.core._losses import put_back, with_added_losses
 from tf_checkpointing.core._ordering import (
     after_gradient,

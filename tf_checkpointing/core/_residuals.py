@@ -24,6 +24,8 @@ from typing import Any, Callable, Optional
 import numpy as np
 import tensorflow as tf
 
+from tf_checkpointing.core._memory import _memory_info, default_memory_device
+
 __all__ = ["Residual", "print_saved_residuals", "saved_residuals"]
 
 # Per graph: names of the ops made by checkpoint_name, and of the identities a
@@ -265,7 +267,6 @@ def held_bytes(fn: Callable[..., Any], *args: Any, device: Optional[str] = None,
     running, with their temporaries, when it is taken; on a loaded machine one
     step of a small decoder read 173 KB against the 143 KB its saved tensors
     list (alone, its steps read within 15% of that; 2026-11-25)."""
-    from tf_checkpointing.core._memory import _memory_info, default_memory_device
 
     device = device or default_memory_device()
     readings: list[int] = []

@@ -38,12 +38,11 @@ from collections.abc import Iterator, Sequence
 from typing import Any, Callable, Optional
 
 import tensorflow as tf
-from tensorflow.python.framework import op_callbacks
-from tensorflow.python.ops import control_flow_util
 
 from tf_checkpointing import policies
 from tf_checkpointing.core import _draws, _residuals
 from tf_checkpointing.core._flags import is_checkpointing
+from tf_checkpointing.core._internals import control_flow_util, op_callbacks
 
 __all__ = ["checkpoint_name"]
 

@@ -34,11 +34,15 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 import tensorflow as tf
-from keras.src.backend.common import global_state
-from keras.src.random.seed_generator import GLOBAL_SEED_GENERATOR
-from tensorflow.python.eager import context
-from tensorflow.python.framework import op_callbacks, random_seed
-from tensorflow.python.ops import gen_random_ops
+
+from tf_checkpointing.core._internals import (
+    GLOBAL_SEED_GENERATOR,
+    context,
+    gen_random_ops,
+    op_callbacks,
+    random_seed,
+)
+from tf_checkpointing.core._internals import keras_global_state as global_state
 
 __all__: list[str] = []
 

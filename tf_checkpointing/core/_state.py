@@ -28,8 +28,8 @@ from collections.abc import Iterator
 from typing import Any, Optional
 
 import tensorflow as tf
-from tensorflow.python.framework import op_callbacks
-from tensorflow.python.ops import gen_resource_variable_ops
+
+from tf_checkpointing.core._internals import gen_resource_variable_ops, op_callbacks
 
 __all__: list[str] = []
 

@@ -43,9 +43,9 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 import tensorflow as tf
-from tensorflow.python.ops import tensor_array_ops
 
 from tf_checkpointing.core._errors import ChainedOutputWarning
+from tf_checkpointing.core._internals import tensor_array_ops
 from tf_checkpointing.core._losses import returned_as_loss
 
 __all__: list[str] = []

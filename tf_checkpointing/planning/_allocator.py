@@ -17,8 +17,8 @@ from typing import Any, Callable
 
 import keras
 import tensorflow as tf
-from tensorflow.python.ops import control_flow_util
 
+from tf_checkpointing.core._internals import control_flow_util
 from tf_checkpointing.core._memory import grow_cpu_pool
 
 __all__: list[str] = []

@@ -19,6 +19,13 @@ from tf_checkpointing.planning._graph import chain_break
 __all__: list[str] = []
 
 
+def layer_names(layers: Sequence[Any]) -> list[str]:
+    """How a plan names each layer of a chain: a Keras layer's name, a
+    function's ``__name__``, else its class name."""
+    return [getattr(layer, "name", None) or getattr(layer, "__name__", None)
+            or type(layer).__name__ for layer in layers]
+
+
 def validate_layers(layers: Any, api: str) -> list[Any]:
     """The chain as a list, or a TypeError/ValueError that says what to pass."""
     if isinstance(layers, keras.Sequential):

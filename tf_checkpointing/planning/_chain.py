@@ -27,6 +27,7 @@ from tf_checkpointing.core._seeding import random_state_kept
 from tf_checkpointing.planning._allocator import concrete_inputs, in_fresh_thread, in_xla_context
 from tf_checkpointing.planning._budget import Budget
 from tf_checkpointing.planning._cache import registered
+from tf_checkpointing.planning._calling import layer_names
 from tf_checkpointing.planning._choices import PolicyChoices, measure_choices
 from tf_checkpointing.planning._frozen import (
     chain_without_backward,
@@ -71,8 +72,7 @@ def cached_plan(layers: list[Any], inputs: Any, budget: Budget, kwargs: dict[str
     entry = _profiles.get(key)
     if entry is None:
         calls = [functools.partial(_call, layer, kw) for layer, kw in zip(layers, routed)]
-        names = [getattr(layer, "name", None) or getattr(layer, "__name__", None)
-                 or type(layer).__name__ for layer in layers]
+        names = layer_names(layers)
         # The plain step differentiates what a compiled step would: the trainable
         # variables, not the input (and so nothing of a frozen prefix).
         trainable = None if not frozen else _variables(layers[frozen:])

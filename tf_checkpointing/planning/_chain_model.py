@@ -18,15 +18,13 @@ compared in the same unit.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import numpy as np
 
+from tf_checkpointing.planning._choices import PolicyChoices
 from tf_checkpointing.planning._layer_profile import ChainProfile
 from tf_checkpointing.planning._plan import Segment
-
-if TYPE_CHECKING:
-    from tf_checkpointing.planning._choices import PolicyChoices
 
 __all__ = ["Chain", "fitted_chain", "predict_peak", "peak", "extra_seconds"]
 

@@ -42,8 +42,8 @@ from typing import Any
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.eager import record
 
+from tf_checkpointing.core._internals import record
 from tf_checkpointing.planning._graph import LayerGraph
 from tf_checkpointing.planning._layer_profile import ChainProfile
 from tf_checkpointing.planning._lifetimes import GraphCosts

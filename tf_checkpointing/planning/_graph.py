@@ -21,8 +21,8 @@ import itertools
 from typing import Any, Optional
 
 import keras
-from keras.src.models.functional import operation_fn as _operation_fn
 
+from tf_checkpointing.core._internals import operation_fn as _operation_fn
 from tf_checkpointing.planning._nested_inputs import (
     Entering,
     NestedInput,

@@ -26,8 +26,8 @@ from tf_checkpointing.planning._model_profile import (
     profile_key,
 )
 from tf_checkpointing.planning._modes import step_mode
-from tf_checkpointing.planning._plan import ModelPlan
-from tf_checkpointing.planning._region_solver import nested_options, solve
+from tf_checkpointing.planning._plan import ModelPlan, pieces_of_spans
+from tf_checkpointing.planning._region_solver import NO_POLICY, Solution, nested_options, solve
 from tf_checkpointing.planning._runner import PlanRunner
 from tf_checkpointing.planning._xla import (
     measure_plan,
@@ -80,14 +80,14 @@ def _plan_graph(graph: LayerGraph, inputs: Any, budget: Optional[int], *, mode: 
         costs = dataclasses.replace(costs, policy_kept=kept, policy_cost=cost)
     region_model = calibrated(costs, profile.plain_peak_bytes)
     nested = nested_options(region_model)
-    least = solve(region_model, None, nested=nested, with_policies=True)
+    least = solve(region_model, None, nested=nested)
     assert least is not None  # every call alone, checkpointed or not, is a plan
     plain_peak = profile.plain_peak_bytes
     # For XLA, the model's peaks are mapped onto two measured XLA steps (see _xla).
     key = profile_key(graph, inputs, mode)
     model_plain = region_model.peak(())
     anchor = None if mode != "xla" else model_anchor(
-        key, graph, inputs, least[1], runner, model_least=least[0],
+        key, graph, inputs, least.spans, runner, model_least=least.value,
         model_plain=model_plain, plain_bytes=profile.plain_peak_bytes, api=api)
     chunks = _CHUNKS if mode == "graph" else 1.0
 
@@ -97,24 +97,29 @@ def _plan_graph(graph: LayerGraph, inputs: Any, budget: Optional[int], *, mode: 
             return anchor.predict(model_bytes)
         if not checkpointed:
             return model_bytes
-        return model_bytes * chunk_factor(model_bytes, model_plain, least[0], chunks)
+        return model_bytes * chunk_factor(model_bytes, model_plain, least.value, chunks)
 
-    helps = anchor is None or anchor.helps
-    least_spans, least_chosen = (least[1], least[2]) if helps else ((), ())
-    min_peak = int(math.ceil(predict(least[0]) / (1 - _HEADROOM)))
+    def policies_of(chosen: tuple[int, ...]) -> tuple[Any, ...]:
+        return tuple(None if p == NO_POLICY else policies[p] for p in chosen)
+
+    if anchor is not None and not anchor.helps:
+        least = Solution(least.value, (), ())
+    min_peak = int(math.ceil(predict(least.value) / (1 - _HEADROOM)))
     names = tuple(call.name for call in graph.calls)
-    plan = ModelPlan(call_names=names, call_kinds=graph.kinds(), spans=(), mode=mode,
-                     budget_bytes=budget,
+    plan = ModelPlan(names=names, call_kinds=graph.kinds(),
+                     pieces=pieces_of_spans(0, len(names), ()), mode=mode,
+                     budget_bytes=LEAST if budget is None else budget,
                      predicted_peak_bytes=int(predict(model_plain, False)),
                      plain_peak_bytes=plain_peak, min_budget_bytes=min(min_peak, plain_peak),
                      policies=policies, predicted_extra_seconds=0.0)
     measured: Optional[int] = None
+    chosen = least
     if budget is None:
-        spans, chosen = least_spans, least_chosen
-        if spans and predict(region_model.peak(spans, policies=chosen)) >= plain_peak:
+        if least.spans and predict(region_model.peak(least.spans,
+                                                     policies=least.policies)) >= plain_peak:
             # The least plan is no better than plain (a model whose body is one
             # layer call, as keras_hub's ViTBackbone's encoder): run it plainly.
-            spans, chosen = (), ()
+            chosen = Solution(least.value, (), ())
     elif budget >= plain_peak:
         return plan
     elif budget < plan.min_budget_bytes:
@@ -130,30 +135,25 @@ def _plan_graph(graph: LayerGraph, inputs: Any, budget: Optional[int], *, mode: 
         usable = budget * (1 - _HEADROOM)
         if anchor is None:
             # Chosen with the least plan's factor, predicted with the plan's own:
-            # the gap is a margin for the model's errors (a U-Net plan chosen with
-            # the plan's own factor had tensors 10% above the model and peaked at
-            # 1.09x its budget; the least plan's factor kept every plan within).
-            found = solve(region_model, usable / chunks, nested=nested, with_policies=True)
+            # the gap is a margin for the model's errors (see docs/design.md).
+            found = solve(region_model, usable / chunks, nested=nested)
         else:  # chosen on the measured curve, and measured (see _xla.plan_within)
-            def solve_for(limit: float) -> Optional[tuple]:
-                got = solve(region_model, limit, nested=nested, with_policies=True)
-                return None if got is None else (
-                    region_model.peak(got[1], policies=got[2]), got[1], got[2])
+            def solve_for(limit: float) -> Optional[Solution]:
+                got = solve(region_model, limit, nested=nested)
+                return None if got is None else got._replace(
+                    value=region_model.peak(got.spans, policies=got.policies))
 
-            found, anchor = plan_within(key, anchor, usable, solve_for, lambda spans, chosen:
-                                        measure_plan(graph, inputs, api, runner, spans, tuple(
-                                            policies[p] if p >= 0 else None for p in chosen)))
-        spans, chosen = ((found[1], found[2]) if found is not None
-                         else (least_spans, least_chosen))
-        if found is not None and len(found) > 3:
-            measured = found[3]  # this very plan's XLA step, measured
+            found, measured, anchor = plan_within(
+                key, anchor, usable, solve_for,
+                lambda spans, chosen: measure_plan(graph, inputs, api, runner, spans,
+                                                   policies_of(chosen)))
+        chosen = found if found is not None else least
+    spans = chosen.spans
     return dataclasses.replace(
-        plan, spans=spans,
+        plan, pieces=pieces_of_spans(0, len(names), spans, policies_of(chosen.policies)),
         predicted_peak_bytes=int(measured if measured is not None else predict(
-            region_model.peak(spans, policies=chosen), bool(spans))),
-        region_policies=tuple(policies[p] if p >= 0 else None for p in chosen)
-        if policies else (),
-        predicted_extra_seconds=region_model.extra_work(spans, chosen))
+            region_model.peak(spans, policies=chosen.policies), bool(spans))),
+        predicted_extra_seconds=region_model.extra_work(spans, chosen.policies))
 
 
 def chunk_factor(model_bytes: float, plain_bytes: float, least_bytes: float,

@@ -14,9 +14,15 @@ import dataclasses
 from typing import Any
 
 import keras
-from keras.src.backend import KerasTensor, is_float_dtype, standardize_dtype
-from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
-from keras.src.ops.symbolic_arguments import SymbolicArguments
+
+from tf_checkpointing.core._internals import (
+    KerasTensor,
+    SymbolicArguments,
+    get_keras_mask,
+    is_float_dtype,
+    set_keras_mask,
+    standardize_dtype,
+)
 
 __all__: list[str] = []
 

@@ -1,33 +1,45 @@
-"""The plan: which layers of a chain run as checkpointed segments, nested how.
+"""The plan: which layers run as checkpointed regions, nested how, under which policy.
 
-A :class:`SequentialPlan` is a contiguous cover of a chain by :class:`Segment`
-pieces; a checkpointed piece keeps only its input and is replayed in backprop,
-possibly with checkpoints of its own inside (``inner``). :func:`even_plan`
-makes the fixed ``segments=k`` schedule; :mod:`tf_checkpointing.planning._chain`
-solves for one within a memory budget. A :class:`ModelPlan` is the whole-model
-counterpart: which runs of a functional model's layer calls are checkpointed
-(:mod:`tf_checkpointing.planning._model`).
+One type for chains and whole models. A :class:`Plan` names the layers (a
+chain's layers, or a model's layer calls in run order) and covers them with
+:class:`Segment` pieces: a plain piece runs its layers as they are; a
+checkpointed one keeps only its inputs (and what its save policy picks) and is
+replayed in backprop, possibly with checkpointed pieces of its own inside
+(``inner``). :class:`SequentialPlan` (chains: ``checkpoint_sequential``,
+``CheckpointedSequential``) and :class:`ModelPlan` (``apply_checkpointing``) are
+the two views of it: the same fields, printing and config, plus what each
+runner needs. :func:`even_plan` makes the fixed ``segments=k`` schedule.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Union
+from collections.abc import Sequence
+from typing import Any, Optional, TypeVar, Union
 
+from tf_checkpointing import policies as save_policies
+from tf_checkpointing.planning._graph import read_graph
 from tf_checkpointing.planning._layer_profile import ChainProfile
+from tf_checkpointing.planning._modes import expect_mode
+from tf_checkpointing.planning._regions_by_name import spans_by_name
 
-__all__ = ["ModelPlan", "SequentialPlan", "Segment"]
+__all__ = ["ModelPlan", "Plan", "Segment", "SequentialPlan", "even_plan", "pieces_of_spans",
+           "policy_name"]
+
+P = TypeVar("P", bound="Plan")
+_FROM_REGIONS = "ModelPlan.from_regions"
 
 
 @dataclasses.dataclass(frozen=True)
 class Segment:
-    """Layers ``[start, stop)`` of a chain, run plainly or as one checkpointed call.
+    """Layers ``[start, stop)``, run plainly or as one checkpointed region.
 
     Attributes:
         start, stop: the layers it runs.
-        checkpointed: whether it keeps only its input and is replayed in backprop.
+        checkpointed: whether it keeps only its inputs and is replayed in backprop.
         inner: for a checkpointed segment, the pieces its replay runs (nested
-            checkpoints); empty when the replay runs its layers plainly.
+            checkpoints), covering ``[start, stop)``; empty when the replay runs
+            its layers plainly.
         policy: for a checkpointed segment, the save policy it keeps what it
             picks with (:mod:`tf_checkpointing.policies`); None replays all of it.
     """
@@ -45,40 +57,55 @@ class Segment:
 
 
 @dataclasses.dataclass(frozen=True)
-class SequentialPlan:
-    """A checkpointing schedule for a chain of ``num_layers`` layers.
+class Plan:
+    """Which layers run checkpointed: a cover of the layers by :class:`Segment` pieces.
 
     Attributes:
-        num_layers: length of the chain.
-        pieces: the top level, a contiguous cover of the chain by :class:`Segment`.
-        budget_bytes: the budget it was planned for: bytes, ``"min"`` (the least
-            memory), or None (fixed segments).
-        predicted_peak_bytes: the step's peak memory above what is allocated
-            before it, as the profile predicts it (None without a profile).
-        plain_peak_bytes: measured peak of the step without checkpointing.
-        min_budget_bytes: least memory of any schedule (the smallest budget).
-        profile: the per-layer measurements it was planned from.
-        policies: the save policies the planner could choose per segment (see
-            ``Segment.policy``); empty when it chose only between plain and full
-            replays.
+        names: the name of each layer (a model's: each layer call), in run order.
+        pieces: the top level, a contiguous cover of the layers.
+        mode: the step it was planned for: ``"eager"``, ``"graph"``
+            (``tf.function``, ``Model.fit``) or ``"xla"`` (``jit_compile=True``);
+            None for a schedule made without a profile (``segments=k``).
+        budget_bytes: what it was planned for: bytes, ``"min"`` (the least
+            memory), or None (not planned for a budget).
+        predicted_peak_bytes: the step's peak above what is allocated before it,
+            as the planner predicts it.
+        plain_peak_bytes: the measured peak of the step without checkpointing.
+        min_budget_bytes: the least budget accepted: the least predicted peak of
+            any plan, plus headroom for the allocator.
+        policies: the save policies the planner could choose per region; empty
+            when it chose only between plain and full replays.
         predicted_extra_seconds: the replay time per step the plan adds, as the
-            planner's time model predicts it (with ``policies``: measured
-            ``tf.function`` step times; else eager forward times).
+            planner's time model predicts it.
+
+    Example:
+        >>> from tf_checkpointing import Segment, SequentialPlan
+        >>> plan = SequentialPlan(names=("a", "b", "c"),
+        ...                       pieces=(Segment(0, 2, True), Segment(2, 3, False)))
+        >>> plan.regions, plan.extra_forward_layers
+        ([['a', 'b']], 2)
+        >>> SequentialPlan.from_config(plan.to_config()) == plan  # JSON-ready, by name
+        True
     """
 
-    num_layers: int
+    names: tuple[str, ...]
     pieces: tuple[Segment, ...]
+    mode: Optional[str] = None
     budget_bytes: Optional[Union[int, str]] = None
     predicted_peak_bytes: Optional[int] = None
     plain_peak_bytes: Optional[int] = None
     min_budget_bytes: Optional[int] = None
-    profile: Optional[ChainProfile] = dataclasses.field(default=None, repr=False)
     policies: tuple[Any, ...] = ()
     predicted_extra_seconds: Optional[float] = None
 
     @property
+    def num_layers(self) -> int:
+        """How many layers (layer calls) the plan covers."""
+        return len(self.names)
+
+    @property
     def segments(self) -> list[tuple[int, int]]:
-        """The top level: ``(start, stop)`` of each piece, covering the chain."""
+        """The top level: ``(start, stop)`` of each piece, covering the layers."""
         return [(p.start, p.stop) for p in self.pieces]
 
     @property
@@ -87,10 +114,16 @@ class SequentialPlan:
         return [p.checkpointed for p in self.pieces]
 
     @property
+    def regions(self) -> list[list]:
+        """Each checkpointed region as the names of its layers, in run order; a
+        region checkpointed inside another's replay is a nested list."""
+        return [_names(self.names, p) for p in self.pieces if p.checkpointed]
+
+    @property
     def forward_counts(self) -> list[int]:
         """How many times each layer's forward runs in one training step."""
         counts = [1] * self.num_layers
-        _count(self.pieces, 0, counts)
+        _count(self.pieces, counts)
         return counts
 
     @property
@@ -105,91 +138,69 @@ class SequentialPlan:
 
     def __str__(self) -> str:
         mib = lambda n: "?" if n is None else f"{n / 2**20:.2f} MiB"  # noqa: E731
-        head = f"SequentialPlan: {self.num_layers} layers"
+        head = f"{type(self).__name__}"
+        head += f" ({self.mode})" if self.mode else ""
+        head += f": {_count_of(self.num_layers, 'layer')}"
         if self.budget_bytes is not None:
             budget = "min" if self.budget_bytes == "min" else mib(self.budget_bytes)
-            head += (f", budget {budget} -> predicted peak "
-                     f"{mib(self.predicted_peak_bytes)} (plain {mib(self.plain_peak_bytes)},"
-                     f" least budget {mib(self.min_budget_bytes)})")
-        head += (f"; {self.extra_forward_layers} extra layer forwards "
-                 f"({sum(self.forward_counts) / self.num_layers:.2f}x forward)")
+            head += (f", budget {budget} -> predicted peak {mib(self.predicted_peak_bytes)}"
+                     f" (plain {mib(self.plain_peak_bytes)}, least budget "
+                     f"{mib(self.min_budget_bytes)})")
+        regions = sum(p.checkpointed for p in self.pieces)
+        head += (f"; {_count_of(regions, 'checkpointed region')}, "
+                 f"{_count_of(self.extra_forward_layers, 'extra layer forward')} "
+                 f"({sum(self.forward_counts) / max(self.num_layers, 1):.2f}x forward)")
         if self.policies:
             head += f"; policies to choose from: {', '.join(map(policy_name, self.policies))}"
         if self.predicted_extra_seconds:
             head += f"; predicted replay time {self.predicted_extra_seconds * 1e3:.1f} ms"
-        return "\n".join([head] + _describe(self.pieces, "  "))
+        return "\n".join([head] + _describe(self.names, self.pieces, "  "))
 
+    def to_config(self) -> dict[str, Any]:
+        """The plan as JSON-ready values (save policies by name, see
+        ``policies.to_config``); :meth:`from_config` makes it again."""
+        config = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                  if f.name not in ("pieces", "policies", "profile")}
+        config.update(names=list(self.names), pieces=[_piece_config(p) for p in self.pieces],
+                      policies=[save_policies.to_config(p) for p in self.policies])
+        if "call_kinds" in config:
+            config["call_kinds"] = list(config["call_kinds"])
+        return config
 
-def _count(pieces: tuple[Segment, ...], depth: int, counts: list[int]) -> None:
-    for piece in pieces:
-        if piece.checkpointed:
-            for k in range(piece.start, piece.stop):
-                counts[k] += 1
-            _count(piece.inner, depth + 1, counts)
-
-
-def _depth(pieces: tuple[Segment, ...]) -> int:
-    return max((1 + _depth(p.inner) for p in pieces if p.checkpointed), default=0)
-
-
-def _describe(pieces: tuple[Segment, ...], indent: str) -> list[str]:
-    lines = []
-    for p in pieces:
-        kind = "checkpointed" if p.checkpointed else "plain"
-        if p.checkpointed and p.policy is not None:
-            kind += f" with {policy_name(p.policy)}"
-        lines.append(f"{indent}[{p.start}, {p.stop}) {kind} ({p.stop - p.start} layers)")
-        lines.extend(_describe(p.inner, indent + "  "))
-    return lines
-
-
-def policy_name(policy: Any) -> str:
-    """How a plan shows a policy: its function's name (with the names a name
-    policy keeps), else its repr."""
-    config = getattr(policy, "_config", None)
-    if config:
-        return f"{config[0]}({', '.join(map(repr, config[1]))})"
-    return getattr(policy, "__name__", None) or repr(policy)
-
-
-def even_plan(num_layers: int, segments: int) -> SequentialPlan:
-    """``segments`` pieces of (nearly) equal length; all but the last checkpointed
-    (the last one's replay would start right away: it would save nothing)."""
-    bounds = [round(i * num_layers / segments) for i in range(segments + 1)]
-    pieces = tuple(Segment(bounds[i], bounds[i + 1], i < segments - 1)
-                   for i in range(segments))
-    return SequentialPlan(num_layers=num_layers, pieces=pieces)
+    @classmethod
+    def from_config(cls: type[P], config: dict[str, Any]) -> P:
+        """The plan :meth:`to_config` described."""
+        config = dict(config)
+        config["names"] = tuple(config["names"])
+        config["pieces"] = tuple(_piece_of(c) for c in config["pieces"])
+        config["policies"] = tuple(save_policies.from_config(p) for p in config["policies"])
+        if "call_kinds" in config:
+            config["call_kinds"] = tuple(config["call_kinds"])
+        return cls(**config)
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelPlan:
-    """Which runs of a model's layer calls are checkpointed.
+class SequentialPlan(Plan):
+    """A :class:`Plan` for a chain of layers, as ``plan_sequential`` makes it.
 
     Attributes:
-        call_names: the layer name of each call of the flattened graph, in run order.
-        spans: ``(start, stop, inner)`` call ranges run as one checkpointed
-            region each; ``inner`` are regions checkpointed inside its replay
-            (the same triples; empty when the replay runs its calls plainly).
-        mode: the step it was planned for: ``"eager"``, ``"graph"`` or ``"xla"``.
-        budget_bytes: the budget (None for ``"min"``).
-        predicted_peak_bytes: the step's peak above what is allocated before it,
-            as the model predicts it.
-        plain_peak_bytes: measured peak of the plain step.
-        min_budget_bytes: the least budget accepted: the least predicted peak of any
-            plan, plus 10% headroom for the allocator.
-        region_policies: per span, the save policy its replay keeps what it picks
-            with (:mod:`tf_checkpointing.policies`), or None for a full replay;
-            empty: every region is replayed fully.
-        policies: the save policies the planner could choose per region; empty
-            when it chose only between plain calls and full replays.
-        predicted_extra_seconds: the replay time per step the plan adds, as the
-            planner's time model predicts it (each call's forward time; under a
-            policy, scaled by the measured ratio of its replay time to a full
-            replay's).
-        call_kinds: per call, its layer's class and configuration (but the name)
-            and the calls it reads: another instance of the same architecture,
-            whose layers Keras numbered differently (``conv2d_54`` for
-            ``conv2d_1``), takes the plan too.
+        profile: the per-layer measurements it was planned from (None for
+            ``segments=k``).
+    """
+
+    profile: Optional[ChainProfile] = dataclasses.field(default=None, repr=False,
+                                                         compare=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelPlan(Plan):
+    """A :class:`Plan` for a whole functional model, as ``plan_model`` makes it.
+
+    Attributes:
+        call_kinds: per layer call, its layer's class and configuration (but the
+            name) and the calls it reads: another instance of the same
+            architecture, whose layers Keras numbered differently, takes the
+            plan too.
 
     Example (``TF_CPU_ALLOCATOR_USE_BFC=true`` set before TensorFlow is imported):
         >>> import keras, tensorflow as tf
@@ -208,68 +219,134 @@ class ModelPlan:
         True
     """
 
-    call_names: tuple[str, ...]
-    spans: tuple
-    mode: str
-    budget_bytes: Optional[int]
-    predicted_peak_bytes: int
-    plain_peak_bytes: int
-    min_budget_bytes: int
-    region_policies: tuple[Any, ...] = ()
-    policies: tuple[Any, ...] = ()
-    predicted_extra_seconds: Optional[float] = None
     call_kinds: tuple[str, ...] = dataclasses.field(default=(), repr=False)
 
-    def policy_of(self, k: int) -> Any:
-        """The save policy of span ``k`` (None: a full replay)."""
-        return self.region_policies[k] if k < len(self.region_policies) else None
-
     @property
-    def regions(self) -> list[list[str]]:
-        """Each checkpointed region as the names of its layers, in run order."""
-        return [self._names(a, c, inner) for a, c, inner in self.spans]
+    def call_names(self) -> tuple[str, ...]:
+        """The layer name of each call, in run order (``names``)."""
+        return self.names
 
-    def _names(self, start: int, stop: int, inner: tuple) -> list:
-        """Names of ``[start, stop)``, inner regions as nested lists."""
-        out: list = []
-        at = start
-        for a, c, deeper in inner:
-            out.extend(self.call_names[at:a])
-            out.append(self._names(a, c, deeper))
-            at = c
-        return out + list(self.call_names[at:stop])
+    @classmethod
+    def from_regions(cls, model: Any, regions: Sequence[Sequence[Any]], *,
+                     policies: Optional[Sequence[Any]] = None,
+                     mode: str = "graph") -> ModelPlan:
+        """The plan that checkpoints the given regions of ``model``, named by layer.
 
-    @property
-    def extra_forward_layers(self) -> int:
-        """Layer calls recomputed per training step."""
-        def count(spans: tuple) -> int:
-            return sum(c - a + count(inner) for a, c, inner in spans)
+        For a plan fixed by hand (or a test that must checkpoint a given layer):
+        no profile, no prediction. Each region is the names of consecutive layer
+        calls in run order (``plan.names`` lists them); a nested list inside a
+        region is checkpointed inside its replay.
 
-        return count(self.spans)
+        Args:
+            model: the functional or Sequential Keras model.
+            regions: the regions, in run order, e.g. ``[["conv1", "bn1", "relu1"],
+                ["conv2", "bn2"]]``.
+            policies: per region, the save policy its replay keeps what it picks
+                with (None: a full replay); default: none.
+            mode: the kind of step it is meant for (``"eager"``, ``"graph"``,
+                ``"xla"``): only a warning uses it.
 
-    def __str__(self) -> str:
-        mib = lambda n: f"{n / 2**20:.2f} MiB"  # noqa: E731
-        budget = "min" if self.budget_bytes is None else mib(self.budget_bytes)
-        lines = [f"ModelPlan ({self.mode}): {len(self.call_names)} layer calls, budget "
-                 f"{budget} -> predicted peak {mib(self.predicted_peak_bytes)} (plain "
-                 f"{mib(self.plain_peak_bytes)}, least budget {mib(self.min_budget_bytes)}); "
-                 f"{len(self.spans)} checkpointed regions, {self.extra_forward_layers} "
-                 "extra layer forwards"]
-        if self.policies:
-            lines[0] += ("; policies to choose from: "
-                         f"{', '.join(map(policy_name, self.policies))}")
-        if self.predicted_extra_seconds:
-            lines[0] += f"; predicted replay time {self.predicted_extra_seconds * 1e3:.1f} ms"
-        self._describe(self.spans, "  ", lines, self.region_policies)
-        return "\n".join(lines)
+        Example:
+            >>> import keras
+            >>> from tf_checkpointing import ModelPlan
+            >>> x = keras.Input((8,))
+            >>> h = keras.layers.Dense(8, name="a")(x)
+            >>> h = keras.layers.Dense(8, name="b")(h)
+            >>> model = keras.Model(x, keras.layers.Dense(1, name="c")(h))
+            >>> ModelPlan.from_regions(model, [["a", "b"]]).regions
+            [['a', 'b']]
+        """
+        graph = read_graph(model, _FROM_REGIONS)
+        names = tuple(call.name for call in graph.calls)
+        spans, chosen = spans_by_name(names, regions, policies, _FROM_REGIONS)
+        return cls(names=names, pieces=pieces_of_spans(0, len(names), spans, chosen),
+                   mode=expect_mode(mode, _FROM_REGIONS), call_kinds=graph.kinds())
 
-    def _describe(self, spans: tuple, indent: str, lines: list,
-                  policies: tuple = ()) -> None:
-        for k, (a, c, inner) in enumerate(spans):
-            names = list(self.call_names[a:c])
-            shown = names if len(names) <= 4 else names[:2] + ["..."] + names[-1:]
-            policy = policies[k] if k < len(policies) else None
-            kept = f", replayed with {policy_name(policy)}" if policy is not None else ""
-            lines.append(f"{indent}[{', '.join(shown)}] ({len(names)} layers{kept}"
-                         f"{', with checkpoints inside:' if inner else ''})")
-            self._describe(inner, indent + "  ", lines)
+
+def even_plan(names: Sequence[str], segments: int) -> SequentialPlan:
+    """``segments`` pieces of (nearly) equal length; all but the last checkpointed
+    (the last one's replay would start right away: it would save nothing)."""
+    n = len(names)
+    bounds = [round(i * n / segments) for i in range(segments + 1)]
+    pieces = tuple(Segment(bounds[i], bounds[i + 1], i < segments - 1)
+                   for i in range(segments))
+    return SequentialPlan(names=tuple(names), pieces=pieces)
+
+
+def pieces_of_spans(start: int, stop: int, spans: tuple,
+                    policies: Sequence[Any] = ()) -> tuple[Segment, ...]:
+    """The cover of ``[start, stop)`` whose checkpointed pieces are ``spans``
+    (``(start, stop, inner)`` triples, as the region solver gives them), each
+    under the policy at its position in ``policies`` (missing: None)."""
+    pieces: list[Segment] = []
+    at = start
+    for k, (a, c, inner) in enumerate(spans):
+        if a > at:
+            pieces.append(Segment(at, a, False))
+        policy = policies[k] if k < len(policies) else None
+        pieces.append(Segment(a, c, True, pieces_of_spans(a, c, inner) if inner else (),
+                              policy))
+        at = c
+    if stop > at:
+        pieces.append(Segment(at, stop, False))
+    return tuple(pieces)
+
+
+def policy_name(policy: Any) -> str:
+    """How a plan shows a policy: its function's name (with the names a name
+    policy keeps), else its repr."""
+    config = getattr(policy, "_config", None)
+    if config:
+        return f"{config[0]}({', '.join(map(repr, config[1]))})"
+    return getattr(policy, "__name__", None) or repr(policy)
+
+
+def _names(names: Sequence[str], piece: Segment) -> list:
+    out: list = []
+    for p in piece.pieces:
+        if p.checkpointed and p is not piece:
+            out.append(_names(names, p))
+        else:
+            out.extend(names[p.start:p.stop])
+    return out
+
+
+def _count(pieces: tuple[Segment, ...], counts: list[int]) -> None:
+    for piece in pieces:
+        if piece.checkpointed:
+            for k in range(piece.start, piece.stop):
+                counts[k] += 1
+            _count(piece.inner, counts)
+
+
+def _depth(pieces: tuple[Segment, ...]) -> int:
+    return max((1 + _depth(p.inner) for p in pieces if p.checkpointed), default=0)
+
+
+def _count_of(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def _describe(names: Sequence[str], pieces: tuple[Segment, ...], indent: str) -> list[str]:
+    lines = []
+    for p in pieces:
+        shown = list(names[p.start:p.stop])
+        shown = shown if len(shown) <= 4 else shown[:2] + ["..."] + shown[-1:]
+        kind = "checkpointed" if p.checkpointed else "plain"
+        if p.checkpointed and p.policy is not None:
+            kind += f" with {policy_name(p.policy)}"
+        lines.append(f"{indent}[{p.start}, {p.stop}) {kind} "
+                     f"({_count_of(p.stop - p.start, 'layer')}: {', '.join(shown)})")
+        lines.extend(_describe(names, p.inner, indent + "  "))
+    return lines
+
+
+def _piece_config(piece: Segment) -> list:
+    return [piece.start, piece.stop, piece.checkpointed,
+            [_piece_config(p) for p in piece.inner], save_policies.to_config(piece.policy)]
+
+
+def _piece_of(config: Sequence[Any]) -> Segment:
+    start, stop, checkpointed, inner, policy = config
+    return Segment(start, stop, checkpointed, tuple(_piece_of(c) for c in inner),
+                   save_policies.from_config(policy))

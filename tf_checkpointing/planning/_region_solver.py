@@ -11,38 +11,50 @@ replay time.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 
 from tf_checkpointing.planning._regions import RegionModel
 
-__all__: list[str] = []
+__all__ = ["NO_POLICY", "Solution", "nested_options", "solve"]
 
 _UNITS = 400
 
 
 Span = tuple  # (start, stop, inner spans): a checkpointed region, nested checkpoints inside
+NO_POLICY = -1  # in ``Solution.policies``: the region is replayed fully
+
+
+class Solution(NamedTuple):
+    """A plan the program found.
+
+    Attributes:
+        value: without a limit, its modelled peak; with one, its extra work.
+        spans: its checkpointed regions, ``(start, stop, inner)`` triples.
+        policies: per span, the index of the save policy it is replayed under
+            (:data:`NO_POLICY`: a full replay).
+    """
+
+    value: float
+    spans: tuple
+    policies: tuple[int, ...]
 
 
 def solve(model: RegionModel, limit: Optional[float], *, start: int = 0,
           stop: Optional[int] = None, max_len: Optional[int] = None,
           nested: Optional[dict] = None, units: int = _UNITS,
-          unit: Optional[float] = None, with_policies: bool = False) -> Optional[tuple]:
-    """With ``limit``: the least recomputation whose modelled peak fits it, as
-    ``(work, spans)``, or None. Without: the least peak (ties: least work), as
-    ``(peak, spans)``. ``spans`` are ``(start, stop, inner)`` triples.
+          unit: Optional[float] = None) -> Optional[Solution]:
+    """With ``limit``: the least recomputation whose modelled peak fits it, or
+    None. Without: the least peak (ties: least work).
 
     ``[start, stop)`` restricts the calls (a replay's, for nesting), ``max_len``
     the length of a region, and ``nested[(a, c)] = (need, work, inner)`` offers
-    each region also with checkpoints inside its replay. ``with_policies``
-    returns ``(value, spans, policies)``: per span, the index of the save policy
-    it is replayed under (-1: a full replay)."""
+    each region also with checkpoints inside its replay."""
     stop = model.n if stop is None else stop
     unit = unit or max(limit if limit is not None else model.peak(()), 1.0) / units
     tables = _tables(model, limit, start, stop, max_len, nested, units, unit)
-    found = _best(tables, limit, start, stop, nested)
-    return found if found is None or with_policies else found[:2]
+    return _best(tables, limit, start, stop, nested)
 
 
 # A step's kind, in the program's back-pointers: 0 is one plain call; a region
@@ -108,8 +120,8 @@ def _relax(tables, frm, to, add, need, extra, kind, held_bytes, limit) -> None:
              np.full_like(idx, kind)], 1)
 
 
-def _best(tables, limit, start, stop, nested) -> Optional[tuple[float, tuple, tuple]]:
-    """The best plan of ``[start, stop)`` in ``tables``, as (value, spans, policies)."""
+def _best(tables, limit, start, stop, nested) -> Optional[Solution]:
+    """The best plan of ``[start, stop)`` in ``tables``."""
     value, work, came_from = tables
     final = value[:, stop]
     if not np.isfinite(final).any():
@@ -124,9 +136,9 @@ def _best(tables, limit, start, stop, nested) -> Optional[tuple[float, tuple, tu
             variant, followed = _decode(kind)
             end = c - 1 if followed else c
             spans.append((a, end, nested[(a, end)][2] if variant == 1 else ()))
-            policies.append(variant - 2 if variant >= 2 else -1)
+            policies.append(variant - 2 if variant >= 2 else NO_POLICY)
         c = a
-    return result, tuple(reversed(spans)), tuple(reversed(policies))
+    return Solution(result, tuple(reversed(spans)), tuple(reversed(policies)))
 
 
 def _options(model: RegionModel, a: int, c: int, stop: int, nested: Optional[dict]):
@@ -169,11 +181,11 @@ def nested_options(model: RegionModel, max_len: int = 24, units: int = 40) -> di
         for c in range(a + 3, stop + 1):
             flat = model.need(a, c, True)
             inner = _best(tables, None, a, c, None)
-            if inner is None or not inner[1]:
+            if inner is None or not inner.spans:
                 continue
-            need = model.replay_need(a, c, inner[0])
+            need = model.replay_need(a, c, inner.value)
             if need < flat * 0.97:
                 inner_work = sum(model.cost_prefix[e] - model.cost_prefix[s]
-                                 for s, e, _ in inner[1])
-                options[(a, c)] = (need, inner_work, inner[1])
+                                 for s, e, _ in inner.spans)
+                options[(a, c)] = (need, inner_work, inner.spans)
     return options

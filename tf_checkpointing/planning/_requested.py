@@ -32,6 +32,8 @@ from typing import Any, Callable, Optional
 
 import tensorflow as tf
 
+from tf_checkpointing.core._internals import xplane_pb2
+
 __all__: list[str] = []
 
 
@@ -46,9 +48,7 @@ def requested_peak(run: Callable[[], Any], device: str = "CPU:0") -> Optional[in
         run: the function to measure; its result is discarded.
         device: the device whose allocator is read, e.g. ``"CPU:0"``, ``"GPU:0"``.
     """
-    try:
-        from tensorflow.tsl.profiler.protobuf import xplane_pb2  # noqa: PLC0415
-    except ImportError:  # a TensorFlow that moved it: the caller reads the chunks
+    if xplane_pb2 is None:  # a TensorFlow that moved it: the caller reads the chunks
         run()
         return None
     logdir = tempfile.mkdtemp(prefix="tf_checkpointing_requested_")

@@ -22,7 +22,8 @@ import warnings
 from typing import Any, Generic, Optional, TypeVar
 
 import tensorflow as tf
-from tensorflow.python.eager import record
+
+from tf_checkpointing.core._internals import record
 
 __all__: list[str] = []
 

@@ -26,16 +26,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import numpy as np
 
 from tf_checkpointing.planning._chain_model import Chain, extra_seconds, fitted_chain, peak
+from tf_checkpointing.planning._choices import PolicyChoices
 from tf_checkpointing.planning._layer_profile import ChainProfile
 from tf_checkpointing.planning._plan import Segment, SequentialPlan
-
-if TYPE_CHECKING:
-    from tf_checkpointing.planning._choices import PolicyChoices
 
 __all__ = ["solve"]
 
@@ -63,7 +61,9 @@ def solve(profile: ChainProfile, budget: Union[int, str], *, api: str = "plan_se
     # in a long-running process, within 3% in a fresh one).
     least = int(predict(min_peak + chain.outside))
     min_budget = min(plain_peak, int(math.ceil(least / (1 - _HEADROOM))))
-    plan = SequentialPlan(num_layers=n, pieces=plain, budget_bytes=budget,
+    mode = "xla" if profile.xla else "graph" if profile.compiled else "eager"
+    plan = SequentialPlan(names=tuple(layer.name for layer in profile.layers), pieces=plain,
+                          mode=mode, budget_bytes=budget,
                           predicted_peak_bytes=plain_peak, plain_peak_bytes=plain_peak,
                           min_budget_bytes=min_budget, profile=profile,
                           policies=chain.policies, predicted_extra_seconds=0.0)

@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 from tf_checkpointing.core._state import StateRecorder
 from tf_checkpointing.planning._allocator import concrete_inputs, in_fresh_thread, memory_device
@@ -63,7 +63,8 @@ from tf_checkpointing.planning._cache import registered
 from tf_checkpointing.planning._frozen import backprop_calls
 from tf_checkpointing.planning._graph import LayerGraph
 from tf_checkpointing.planning._graph_profile import graph_plain_peak
-from tf_checkpointing.planning._plan import ModelPlan
+from tf_checkpointing.planning._plan import ModelPlan, pieces_of_spans
+from tf_checkpointing.planning._region_solver import Solution
 from tf_checkpointing.planning._runner import PlanRunner
 
 __all__: list[str] = []
@@ -205,7 +206,7 @@ def measure_plan(graph: LayerGraph, inputs: Any, api: str, runner: PlanRunner, s
     """The peak of the XLA step of ``graph``'s model run (by ``runner``) by the
     plan of ``spans``."""
     names = tuple(call.name for call in graph.calls)
-    plan = ModelPlan(names, spans, "xla", None, 0, 0, 0, region_policies=region_policies)
+    plan = ModelPlan(names, pieces_of_spans(0, len(names), spans, region_policies), mode="xla")
     return measure_xla_step(runner(plan), inputs, api,
                             graph.model.non_trainable_variables,
                             trainable=None if all(backprop_calls(graph, "xla"))
@@ -217,29 +218,36 @@ def forget_model_anchor(key: Any) -> Optional[XlaAnchor]:
     return _model_anchors.pop(key, None)
 
 
+class XlaChoice(NamedTuple):
+    """What :func:`plan_within` chose: the plan (None: none fit, take the least
+    plan), its measured XLA peak (None: not measured, a plan of no region), and
+    the anchor with every measured plan added."""
+
+    solution: Optional[Solution]
+    measured_bytes: Optional[int]
+    anchor: XlaAnchor
+
+
 def plan_within(key: Any, anchor: XlaAnchor, usable: float,
-                solve_for: Callable[[float], Optional[tuple]],
+                solve_for: Callable[[float], Optional[Solution]],
                 measure_spans: Callable[[tuple, tuple], int],
-                tries: int = 3) -> tuple[Optional[tuple], XlaAnchor]:
+                tries: int = 3) -> XlaChoice:
     """The plan for an XLA budget of ``usable`` bytes, checked by measuring it.
 
-    ``solve_for(limit)`` returns the plan (``(model bytes, spans, chosen)``)
-    whose model peak fits ``limit``, or None; ``measure_spans`` compiles and
-    measures a plan's XLA step. Each measured plan becomes a point of the
-    anchor (kept for ``key``, so later budgets start from the corrected
-    curve); a plan that measured above ``usable`` is chosen again on the
-    corrected curve, up to ``tries`` times. Returns the plan that fits, with
-    its measured peak appended (``(model bytes, spans, chosen, measured)``;
-    None: none did, take the least plan; a plan of no region is not
-    measured), and the anchor."""
+    ``solve_for(limit)`` returns the plan whose model peak (its ``value``) fits
+    ``limit``, or None; ``measure_spans`` compiles and measures a plan's XLA
+    step. Each measured plan becomes a point of the anchor (kept for ``key``,
+    so later budgets start from the corrected curve); a plan that measured
+    above ``usable`` is chosen again on the corrected curve, up to ``tries``
+    times."""
     for _ in range(tries):
         found = solve_for(anchor.model_limit(usable))
-        if found is None or not found[1]:
-            return found, anchor
-        measured = measure_spans(found[1], found[2])
-        anchor = anchor.with_point(found[0], measured)
+        if found is None or not found.spans:
+            return XlaChoice(found, None, anchor)
+        measured = measure_spans(found.spans, found.policies)
+        anchor = anchor.with_point(found.value, measured)
         if key in _model_anchors:
             _model_anchors[key] = anchor
         if measured <= usable:
-            return (*found, measured), anchor
-    return None, anchor
+            return XlaChoice(found, measured, anchor)
+    return XlaChoice(None, None, anchor)

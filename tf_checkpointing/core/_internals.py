@@ -1,0 +1,49 @@
+"""Every private TensorFlow and Keras API the library uses, imported in this one place.
+
+What a replay must see again as the forward saw it (the tape, op callbacks,
+Keras' call context and seed state, the layer graph of a functional model) is
+not in TensorFlow's or Keras' public API. The names below are, each with the
+module that needs it. When a TensorFlow or Keras release moves one, this is the
+file to change; the test suite runs on the oldest version the package accepts
+too (see ``docs/design.md``).
+"""
+
+from __future__ import annotations
+
+# Keras: call context, masks, seeds and the functional graph.
+from keras.src import backend as keras_backend  # _losses: the scope losses go to
+from keras.src.backend import KerasTensor, is_float_dtype, standardize_dtype  # _nested_inputs
+from keras.src.backend.common import global_state as keras_global_state  # _seeding, context
+from keras.src.backend.common import symbolic_scope  # _layer_proxy: shape inference
+from keras.src.backend.common.masking import get_keras_mask, set_keras_mask  # graph runner
+from keras.src.models.functional import operation_fn, unpack_singleton  # planning._graph
+from keras.src.ops.symbolic_arguments import SymbolicArguments  # _nested_inputs
+from keras.src.random.seed_generator import GLOBAL_SEED_GENERATOR  # _seeding
+
+# TensorFlow: the tape, op callbacks and graph internals.
+from tensorflow.python import pywrap_tfe  # _recompute: is recording stopped?
+from tensorflow.python.autograph.core import config as autograph_config  # _decorator
+from tensorflow.python.eager import context, forwardprop_util, record  # tape state
+from tensorflow.python.eager import tape as tape_lib  # _recompute: variable watching
+from tensorflow.python.framework import func_graph, op_callbacks, random_seed
+from tensorflow.python.ops import (
+    control_flow_util,
+    control_flow_v2_func_graphs,
+    gen_random_ops,
+    gen_resource_variable_ops,
+    tensor_array_ops,
+)
+
+try:  # the profiler's protobufs (planning._requested); a TensorFlow that moved them
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+except ImportError:  # pragma: no cover - the XLA planner then reads the chunks
+    xplane_pb2 = None
+
+__all__ = [
+    "GLOBAL_SEED_GENERATOR", "KerasTensor", "SymbolicArguments", "autograph_config",
+    "context", "control_flow_util", "control_flow_v2_func_graphs", "forwardprop_util",
+    "func_graph", "gen_random_ops", "gen_resource_variable_ops", "get_keras_mask",
+    "is_float_dtype", "keras_backend", "keras_global_state", "op_callbacks", "operation_fn",
+    "pywrap_tfe", "random_seed", "record", "set_keras_mask", "standardize_dtype",
+    "symbolic_scope", "tape_lib", "tensor_array_ops", "unpack_singleton", "xplane_pb2",
+]
