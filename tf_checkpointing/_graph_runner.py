@@ -203,8 +203,8 @@ class GraphRunner:
         region.__name__ = region.__qualname__ = f"region_{calls[0].name}_to_{calls[-1].name}"
         # Outputs that are not the model's own are read only by the later layers
         # of this graph, whose gradients reach the region exactly; no user's tape
-        # can ask for them, so their feeding other outputs (a U-Net's skip and its
-        # pooled copy) is not worth a warning. Each key is one tensor: leaf k.
+        # can ask for them, so their feeding other outputs (an encoder's skip and
+        # its pooled copy) is not worth a warning. Each key is one tensor: leaf k.
         model_outputs = set(self.graph.output_keys)
         private = [k for k, key in enumerate(leaving) if key not in model_outputs]
         out, out_masks = checkpointed_call(region, (values, masks), {},
@@ -227,8 +227,8 @@ def _writes_kept_out(*, replay: bool, flat: bool) -> Any:
     and ``replayed_state`` puts the values back after it. In a graph, a variable
     write must run, so the replay and every later layer's backward that feeds its
     output gradients ran even when the step's gradient needs none of them (one
-    with respect to the model's output: ResNet50 with one early region held
-    312 MiB, against 48 plain). Kept in a ``keras.StatelessScope``, the writes
+    with respect to the model's output held several times plain's memory; see
+    docs/design.md#replay-writes). Kept in a ``keras.StatelessScope``, the writes
     are values the rest of the replay reads, as the forward read them, and the
     executor prunes a replay nothing asks for. Only for a flat region: a replay
     that runs checkpointed calls (a nested region, a ``checkpointable`` layer)

@@ -1,7 +1,7 @@
 """Checkpointing a chain of layers: ``checkpoint_sequential`` and ``CheckpointedSequential``.
 
 Most models are, at some level, a chain: a stack of transformer blocks, the
-stages of a ResNet, the layers of an MLP. Checkpointing each layer separately
+stages of a residual network, the layers of an MLP. Checkpointing each layer separately
 keeps every layer's input (``N`` inputs) and saves little when layers are
 cheap (keras #20743); checkpointing the whole chain keeps nothing but makes the
 replay hold every activation at once. Segments in between are the point: ``k``

@@ -6,8 +6,8 @@ small layers the plain model keeps most of those anyway (a convolution keeps
 its input, a BatchNorm its input, a ReLU its output), so checkpointing single
 layers saves at best the few bytes their backward kept on top, and where the
 layer's backward kept *less* than its input (a ReLU keeps its output, an Add
-nothing), checkpointing it adds a tensor: every ``Activation`` of ResNet50
-checkpointed peaks at 1.42x plain. The graph says which tensors each layer's
+nothing), checkpointing it adds a tensor, and the step peaks above plain (see
+docs/design.md#per-layer-selections). The graph says which tensors each layer's
 backward keeps, so the cost is predicted from shapes alone, before anything runs.
 """
 
@@ -22,6 +22,7 @@ import keras
 from tf_checkpointing._graph_runner import install, model_runner
 from tf_checkpointing.planning._budget import expect_budget
 from tf_checkpointing.planning._choices import expect_policies
+from tf_checkpointing.planning._constants import COSTLY_SELECTION_RATIO
 from tf_checkpointing.planning._graph import functional_of, read_graph
 from tf_checkpointing.planning._model import plan_graph
 from tf_checkpointing.planning._modes import expect_mode
@@ -66,8 +67,8 @@ def plan_model(model: Any, inputs: Any, *, budget: Union[int, float, str], mode:
     its replay skips those ops. ``policies.reductions_saveable`` is always
     offered: it keeps the results of reductions (a BatchNorm's batch mean and
     variance, a LayerNorm's), which cost almost no memory, and spares the
-    replay the passes over the input that made them (the benchmark U-Net's
-    halfway plan took 1.25x plain replaying them, 1.13x keeping them).
+    replay the passes over the input that made them (measured in
+    docs/save-policies.md and docs/design.md#save-policies-per-region).
     ``policies`` offers more. Each distinct layer call that a policy keeps
     something of is measured under each policy (bytes kept, and its training
     step timed as the chain planner times its layers), and the program picks
@@ -145,7 +146,8 @@ def checkpoint_whole_model(model: Any, *, budget: Any = None,
 
 def warn_if_costly(model: Any, chosen: list[Any]) -> None:
     """Warns when checkpointing ``chosen`` layers one by one is predicted to keep
-    at least as many activation bytes as the plain model does."""
+    (nearly) as many activation bytes as the plain model does: it then saves no
+    memory and costs time (see docs/design.md#per-layer-selections)."""
     if functional_of(model) is None or not all(_rule(layer) for layer in chosen):
         return  # no graph, or a layer whose backward we cannot predict: no warning
     graph = read_graph(model, _API)
@@ -165,7 +167,7 @@ def warn_if_costly(model: Any, chosen: list[Any]) -> None:
             sizes[key] = _size(t)
     before = sum(sizes.get(k, 0) for k in plain)
     after = sum(sizes.get(k, 0) for k in checkpointed)
-    if before and after >= 0.97 * before:
+    if before and after >= COSTLY_SELECTION_RATIO * before:
         warnings.warn(
             f"apply_checkpointing: checkpointing these {len(chosen)} layers of "
             f"`{model.name}` one by one is predicted to keep {after / before:.2f}x the "

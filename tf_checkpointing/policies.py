@@ -15,7 +15,7 @@ build one from names given with :func:`tf_checkpointing.checkpoint_name`.
 
 Example:
     >>> import keras
-import tensorflow as tf
+    >>> import tensorflow as tf
     >>> from tf_checkpointing import checkpointable, policies
     >>> @checkpointable(checkpoint=True, policy=policies.dots_saveable)
     ... def block(x, w):
@@ -149,11 +149,10 @@ def reductions_saveable(out: OpOutput) -> bool:
     forward makes three of its five passes for its statistics).
 
     The replay uses the values the forward computed, so the gradients are the
-    plain model's, as with a full replay (checked on ResNet50, MobileNetV2 and
-    GPT2Backbone plans, ``tf.function`` and XLA: within float32 rounding).
-    Measured on the benchmark U-Net's halfway plan (``tf.function``, 2 CPU
-    cores): the step took 1.16x plain instead of 1.22x, at the same peak
-    (``docs/save-policies.md``).
+    plain model's, as with a full replay (within float32 rounding, under
+    ``tf.function`` and XLA). On a model with many BatchNorms it makes the
+    step measurably faster at the same peak (``docs/save-policies.md``;
+    ``docs/design.md#save-policies-per-region``).
 
     Example:
         >>> import tensorflow as tf

@@ -35,7 +35,7 @@ class ReplayMismatchError(RuntimeError):
 
 class ChainedOutputWarning(UserWarning):
     """A checkpointed call returns an output that it also uses to compute another
-    of its outputs (a U-Net block returning ``skip`` and ``pool(skip)``).
+    of its outputs (an encoder block returning ``skip`` and ``pool(skip)``).
 
     Gradients with respect to the call's inputs and variables, which is what
     training takes, are exact. Only ``tape.gradient(loss, that_output)`` would miss

@@ -4,8 +4,7 @@ What a replay must see again as the forward saw it (the tape, op callbacks,
 Keras' call context and seed state, the layer graph of a functional model) is
 not in TensorFlow's or Keras' public API. The names below are, each with the
 module that needs it. When a TensorFlow or Keras release moves one, this is the
-file to change; the test suite runs on the oldest version the package accepts
-too (see ``docs/design.md``).
+file to change (see ``docs/design.md#private-tensorflow-and-keras-apis``).
 """
 
 from __future__ import annotations

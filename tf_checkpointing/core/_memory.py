@@ -243,14 +243,14 @@ def grow_cpu_pool(device: str = "CPU:0") -> None:
     so that a large request is cut from it instead of taking a whole region.
 
     Why: the BFC allocator counts the chunk it hands out, and hands out a free
-    chunk whole when it is less than twice the request and less than 128 MiB
-    would be left over (``FindChunkPtr`` in TensorFlow's ``bfc_allocator.cc``).
-    On CPU its pool grows by regions of doubling size (2 MiB, 4 MiB, ...), so a
-    70 MiB request that opens a new 128 MiB region is counted as 128 MiB: an XLA
-    step, which allocates all its temporaries as one buffer, then "peaks" at a
-    power of two (measured: 64.0, 128.0, 512.0 MiB). On a GPU the pool is one
-    large region from the start and the requests are cut from it; this makes
-    the CPU pool alike. The region is allocated uninitialised, so no page of it
+    chunk whole when it is less than twice the request and what would be left
+    over is below a fixed limit (``FindChunkPtr`` in TensorFlow's
+    ``bfc_allocator.cc``). On CPU its pool grows by regions of doubling size,
+    so a request that opens a new region is counted as the whole region: an
+    XLA step, which allocates all its temporaries as one buffer, then "peaks"
+    at a power of two (see docs/design.md#the-cpu-pool). On a GPU the pool is
+    one large region from the start and the requests are cut from it; this
+    makes the CPU pool alike. The region is allocated uninitialised, so no page of it
     is touched; it stays reserved for the process (the BFC allocator never
     frees a region). Regions allocated before still serve the requests they fit.
 

@@ -113,10 +113,10 @@ def fresh_copies(inputs: list[tf.Tensor], output_grads: Sequence[Any]) -> list[t
     with the forward by Grappler or XLA (which would keep every activation).
 
     On every incoming gradient, not only the first: a region with several
-    outputs (a U-Net encoder block returns its skip and its pooled output) gets
-    the skip's gradient long before the pooled one, and a replay waiting only
-    for the first ran during the backward of every later region, holding its
-    activations on top of theirs (U-Net least plan: 29.5 MiB instead of 23)."""
+    outputs (an encoder block returns its skip and its pooled output) gets the
+    skip's gradient long before the pooled one, and a replay waiting only for
+    the first ran during the backward of every later region, holding its
+    activations on top of theirs (see docs/design.md#replay-ordering)."""
     if tf.executing_eagerly():
         return [tf.identity(x) for x in inputs]
     grads = _incoming(output_grads)
@@ -136,7 +136,7 @@ def after_gradient(leaves: Sequence[Any], positions: Sequence[int],
     for the others: else the ops of a replay that read only them (a region whose
     inputs are all integer, as a model's embedding and first block) could run
     as soon as the backward starts, holding their activations while the later
-    calls' backward runs (on GPT-2, +35 MiB over the least plan's peak)."""
+    calls' backward runs (see docs/design.md#replay-ordering)."""
     grads = _incoming(output_grads)
     if tf.executing_eagerly() or not grads:
         return None
@@ -187,16 +187,14 @@ def weight_gradients_first(graph: Any, first_op: int, incoming: Any = ()) -> int
     makes the input gradient ``dx``. The executor runs the two kernels in any
     order; when ``dx`` comes first, ``x``, ``dy`` and ``dx`` are alive at once.
     When the weight gradient runs first and was the last reader of ``x``, ``x``
-    is freed before ``dx`` is made. On the benchmark U-Net the last stage's
-    first convolution reads a 6 MiB concatenation and makes a 6 MiB input
-    gradient, which the concatenation's gradient slices into 6 MiB of copies:
-    18 MiB of tensors at once in some steps, 12 in others, and the replay's
-    peak moved by as much from step to step (measured 14.9-22.5 MiB).
+    is freed before ``dx`` is made. Left to the executor, the replay's peak
+    moved from step to step by the size of such a layer's tensors (a
+    convolution reading a concatenation, whose gradient the concatenation's
+    gradient then slices into copies; see docs/design.md#replay-ordering).
 
     ``incoming`` are the replay's output gradients, made before the backward: a
-    gradient too (the region's last convolution reads one: the U-Net's last stage
-    checkpointed as a region of its own kept its 6 MiB input beside the input
-    gradient until this counted them, 18.5-20.5 MiB against 14.5).
+    gradient too (the region's last convolution reads one, and a region ending
+    in it kept its input beside the input gradient until this counted them).
 
     Only pairs where this cannot create a cycle are ordered: the first kernel
     reads nothing made by the backward but the shared gradient, and the

@@ -264,9 +264,8 @@ def held_bytes(fn: Callable[..., Any], *args: Any, device: Optional[str] = None,
     ``tf_checkpointing.measure``).
 
     The least: forward ops that the reading does not wait for may still be
-    running, with their temporaries, when it is taken; on a loaded machine one
-    step of a small decoder read 173 KB against the 143 KB its saved tensors
-    list (alone, its steps read within 15% of that; 2026-11-25)."""
+    running, with their temporaries, when it is taken, more so on a loaded
+    machine (see docs/design.md#held-bytes)."""
 
     device = device or default_memory_device()
     readings: list[int] = []

@@ -14,7 +14,8 @@ graph (converting the inputs of the nested models it expands as Keras would:
 lifetimes of :mod:`._lifetimes`), :mod:`._region_solver` (program) and
 :mod:`._model` plan checkpointed regions of it; :mod:`._xla` anchors plans for
 XLA steps on measured ones. :mod:`._budget` and :mod:`._modes` validate the
-``budget`` and ``mode`` every planning API takes.
+``budget`` and ``mode`` every planning API takes. :mod:`._constants` holds the
+planners' tuning constants, each with its reason (see ``docs/design.md``).
 """
 
 from tf_checkpointing.planning._cache import clear_caches

@@ -13,6 +13,9 @@ from typing import Any, Literal, Union
 
 import numpy as np
 
+# _LEAST_BYTES: a smaller budget is a unit slip (MiB, GiB), not bytes.
+from tf_checkpointing.planning._constants import LEAST_BYTES as _LEAST_BYTES
+
 __all__ = ["Budget", "LEAST", "expect_budget"]
 
 LEAST = "min"
@@ -22,7 +25,6 @@ Budget = Union[int, Literal["min"]]
 """A validated budget: bytes, or ``"min"``."""
 
 _MODEL_APIS = ("apply_checkpointing", "plan_model")
-_LEAST_BYTES = 1024  # a smaller budget is a unit slip (MiB, GiB), not bytes
 _LEAST = ', or budget="min" for the least memory'
 # What else each API that validates a budget here accepts: only the chain APIs
 # take segments=, and apply_checkpointing takes select= instead of a budget.

@@ -4,10 +4,9 @@ The model is the one the step runs in, as profiled (:mod:`._profile`): eager
 backprop's, or a ``tf.function``'s (a graph keeps fewer intermediates),
 including what our replay holds on top (the incoming gradient, the weight
 gradients of later layers, and in eager mode the forward's output, which the
-custom gradient's tape entry holds). Measured on a 64-layer chain
-(``benchmarks/sequential.py``) it predicts peaks within 10% in eager mode and
-5% under ``tf.function``. Under XLA the graph profile is scaled to the measured
-XLA plain step.
+custom gradient's tape entry holds); its accuracy is in
+docs/design.md#chain-model-accuracy. Under XLA the graph profile is scaled to
+the measured XLA plain step.
 
 With save policies (:mod:`._choices`), a layer may also run as a checkpointed
 call of its own that keeps what its policy picks (``policy_kept`` bytes) and
@@ -110,14 +109,13 @@ def fitted_chain(profile: ChainProfile, choices: Optional[PolicyChoices] = None)
 
     A layer's graph, run alone, may start the backward ops that need no output
     gradient before the reading between forward and backward, so the per-layer
-    readings can add up to more than the chain holds as one graph (measured:
-    1.00-1.15x on the benchmark models and test chains). One factor on the
-    per-layer bytes, fitted to the plain chain, corrects it. The model is never
-    scaled up for a graph: where it predicts less (0.93x on the U-Net), the 10%
-    headroom of every plan covers the difference. For XLA it is (up to 3x):
-    XLA assigns buffers its own way, and its plain step peaks above what the
-    per-layer graphs add up to (EfficientNetB0 in blocks: 512 MiB plain), so
-    a plan from the graph's numbers overshot its budget 2.4x there.
+    readings can add up to more than the chain holds as one graph. One factor
+    on the per-layer bytes, fitted to the plain chain, corrects it. The model is
+    never scaled up for a graph: where it predicts less, the headroom of every
+    plan covers the difference. For XLA it is (up to 3x): XLA assigns buffers
+    its own way, and its plain step peaks above what the per-layer graphs add
+    up to, so a plan from the graph's numbers overshot its budget (see
+    docs/design.md#chain-model-scale).
     """
     chain = Chain(profile, choices=choices)
     if not profile.compiled:

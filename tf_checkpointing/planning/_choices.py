@@ -12,10 +12,9 @@ the same unit and under the same load.
 
 The step's loss is the sum of the squared outputs, so the incoming gradient is
 computed from the forward. With ``reduce_sum(y)`` (a constant gradient of ones)
-the replay does not wait for the forward and runs beside it on a second core:
-measured on the benchmark decoder's block, a full replay then looked free (+0%,
-against +33% with a gradient that depends on the output, as in a chain), which
-is why ``plan_policies`` chose full replays it thought cost nothing.
+the replay does not wait for the forward and runs beside it on a second core,
+so a full replay looked free where a chain pays for it (see
+docs/design.md#policy-timing).
 
 Layers of the same class, configuration, weight shapes and input are measured
 once (a transformer's identical blocks: one measurement, more rounds for less

@@ -9,16 +9,15 @@ those variables only, does not read what it made, so it keeps nothing for the
 backward, runs no backward, and a region around it recomputes nothing. (An
 eager step is different: its tape records every op that reads a watched
 variable, and Keras' frozen variables are still trainable for TensorFlow, so
-it keeps a frozen backbone's tensors: MobileNetV2 at 96x96, batch 16, 334 MiB
-frozen against 439 MiB trained. Eager plans count every call as reached.)
+it keeps a frozen backbone's tensors, nearly as many as a trained one's. Eager
+plans count every call as reached.)
 
 Each call's profile reading is taken with its inputs watched (a reading does
 not depend on the plan), so it describes such a call as backprop would run
-it. Before :func:`without_backward`, a MobileNetV2 backbone frozen under a
-trainable head (96x96, batch 16, ``tf.function``) was modelled at 189 MiB
-plain against 32 MiB measured: the planner checkpointed 15 regions and refused
-every budget below 57 MiB; with its first 100 layers frozen, the least plan
-measured 41 MiB against plain's 37.
+it. :func:`without_backward` corrects that: without it a frozen backbone was
+modelled at several times its measured plain peak, and the planner
+checkpointed it and refused budgets plain would have met (see
+docs/design.md#frozen-layers).
 
 The model's inputs are taken as not differentiated: a custom step that
 watches them (``tape.watch(x)``) and asks for their gradient runs the frozen
@@ -28,9 +27,8 @@ A chain (``CheckpointedSequential``, ``checkpoint_sequential``) is the same
 with one path: :func:`frozen_prefix` is the number of leading layers no
 gradient reaches, when no tape differentiates the chain's input (read from the
 tapes at the call), and :func:`chain_without_backward` gives them their real
-costs. With 4 of 8 convolution blocks frozen (64x64x32, batch 16, ``Model.fit``
-style step), plain measured 152 MiB; the chain planner read it as 272 MiB, and
-its least plan replayed the frozen blocks too (16 extra layer forwards; 4 now).
+costs; without it the chain planner overestimated plain and its least plan
+replayed the frozen layers too (see docs/design.md#frozen-layers).
 """
 
 from __future__ import annotations
@@ -128,9 +126,8 @@ def trained_variables(layer: Any) -> Any:
 def warn_eager_frozen(graph: LayerGraph, api: str) -> None:
     """Warns that an eager plan of a model with frozen layers may keep more than
     predicted: the eager tape holds what the frozen calls made until the whole
-    backward ends, which the model does not describe. MobileNetV2 with its first
-    30 layers frozen (96x96, batch 16): the eager least plan was predicted at 70
-    MiB and measured 149 (plain 388); with every layer trained, 135 and 113."""
+    backward ends, which the model does not describe: such a plan can measure
+    about twice its prediction (see docs/design.md#frozen-layers)."""
     # Frozen: weights, and trainable=False (a Normalization layer's weights are not
     # trainable to TensorFlow either, so the tape never watches them).
     frozen = [call.name for call in graph.calls

@@ -216,10 +216,8 @@ def _expandable(node: Any, inner: Any, fed: list[Entering]) -> bool:
     a ``mask=`` given there would differ from the outer call's), whose ``call``
     is Keras' own, and whose input conversions are exact when done by each
     reader (:func:`._nested_inputs.converted_alike`; ``fed``: what reaches each
-    input). A backbone called either way was one call: no region inside it
-    (a MobileNetV2 head over ``base(x, training=False)``: 3 calls, its least
-    plan measured 36-37 MiB against plain's 39-41; expanded, 155 calls and
-    12.5-15.6 MiB, in separate runs of one script)."""
+    input). A backbone called either way was one call: no region inside it,
+    and a least plan barely below plain (see docs/design.md#nested-models)."""
     args = node.arguments.args
     kwargs = _given(node)
     if len(args) != 1 or set(kwargs) - {"training"} or not isinstance(

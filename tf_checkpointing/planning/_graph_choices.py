@@ -8,8 +8,8 @@ the chain planner measures its layers (:func:`._choices.measure_calls`): each
 call as a function of the tensors it reads, its bytes kept from
 :func:`~tf_checkpointing.saved_residuals` and its ``tf.function`` (or XLA)
 training step timed plain, fully replayed and under each policy, in
-interleaved rounds. Calls that compute the same thing (ResNet's repeated
-blocks, a transformer's identical blocks) are measured once, and a call where
+interleaved rounds. Calls that compute the same thing (a residual network's
+repeated blocks, a transformer's identical blocks) are measured once, and a call where
 no policy keeps anything (a normalization, an activation, an add) is traced
 once and not timed.
 
@@ -28,15 +28,15 @@ import tensorflow as tf
 
 from tf_checkpointing.planning._allocator import concrete_inputs, in_fresh_thread
 from tf_checkpointing.planning._choices import PolicyChoices, measure_calls
+from tf_checkpointing.planning._constants import POLICY_MAX_ROUNDS as _MAX_ROUNDS
+from tf_checkpointing.planning._constants import POLICY_REPEATS as _REPEATS
 from tf_checkpointing.planning._graph import GraphCall, LayerGraph, last_uses, run_call, tensor_keys
 
 __all__: list[str] = []
 
-# Timing rounds per distinct call, more for repeated ones (up to _MAX_ROUNDS):
-# ResNet50's 21 convolutions with a policy's pick took 54 s of timing with the
-# chain planner's 5 to 20 rounds, on 2 loaded cores.
-_REPEATS = 3
-_MAX_ROUNDS = 8
+# _REPEATS: timing rounds per distinct call, more for repeated ones (up to
+# _MAX_ROUNDS): fewer than the chain planner's, whose rounds made a large model's
+# planning slow (see docs/design.md#policy-timing).
 
 
 def graph_choices(graph: LayerGraph, inputs: Any, policies: tuple[Any, ...],

@@ -25,6 +25,8 @@ from tf_checkpointing.planning._allocator import (
     planning_function,
     sync,
 )
+from tf_checkpointing.planning._constants import GRAPH_RUNS as _GRAPH_RUNS
+from tf_checkpointing.planning._constants import PLAIN_STEPS as _PLAIN_STEPS
 from tf_checkpointing.planning._layer_profile import (
     ChainProfile,
     LayerProfile,
@@ -36,8 +38,8 @@ from tf_checkpointing.planning._requested import requested_peak
 
 __all__ = ["variable_ids"]
 
-_GRAPH_RUNS = 5  # runs of each layer's graph; the profile keeps the median readings
-_PLAIN_STEPS = 3  # plain steps measured (not under XLA, whose buffer is the same in each)
+# _GRAPH_RUNS: runs of each layer's graph; the profile keeps the median readings.
+# _PLAIN_STEPS: plain steps measured (not under XLA, whose buffer is the same in each).
 
 
 def graph_profile(calls, x, device, names, same_as, applied=False,
@@ -75,9 +77,8 @@ def graph_profile(calls, x, device, names, same_as, applied=False,
         x = graphs[i](x)
     grad_sizes.append(y_grad_bytes)
     # Last: its updates, and putting the weights back, change the pool the
-    # per-call readings are taken in, which moved the readings after it (the
-    # benchmark U-Net's least plan predicted at 16.0-20.7 MiB from run to run,
-    # 16.0 in every run with the plain step measured last).
+    # per-call readings are taken in, which moved the readings after it from
+    # run to run (see docs/design.md#graph-profile-readings).
     plain_peak = graph_plain_peak(calls, inputs, device, False, applied, trainable)
     return ChainProfile(layers=tuple(layers), boundary_bytes=tuple(sizes),
                         boundary_grad_bytes=tuple(grad_sizes), plain_peak_bytes=plain_peak,
@@ -90,8 +91,8 @@ def _graph_layer(call, x, device, name) -> tuple[LayerProfile, int, int]:
     waits on): what is held there is what the graph keeps for the backward.
 
     The executor runs independent ops in any order, so what is held varies
-    from run to run (by up to 15% for a transformer block on 2 cores); the
-    profile keeps the median of a few runs.
+    from run to run (see docs/design.md#graph-profile-readings); the profile
+    keeps the median of a few runs.
     """
     allocator = Allocator(device)
     readings: list[tuple[int, int]] = []
@@ -157,21 +158,16 @@ def graph_plain_peak(calls, x, device, jit_compile: bool = False,
     Why a real update: an update makes ``learning_rate * grad`` (a temporary of
     the weight's size) and, while the layer's input gradient still reads the
     weight, a copy of the weight (a variable's buffer still read is copied on
-    write). A step whose gradients were only summed measured 3-23% below
-    ``Model.fit``'s step (keras.applications models at 96x96, batch 8:
-    InceptionV3 59 MiB against 77), and a plan calibrated to it overran its
-    budget (MobileNetV3Small, plain fit step 42.1 MiB: read at 37.4, so
-    plain was taken to fit a 40.8 MiB budget, and its steps peaked at
-    42.6-44.0). With the update: read at 42.4 (InceptionV3 at 63-68), and the
-    40.8 MiB plan's steps peaked at 29.3-31.8, predicted 28.4.
+    write). A step whose gradients were only summed read below ``Model.fit``'s
+    step, and a plan calibrated to it overran its budget (see
+    docs/design.md#plain-step-with-an-update).
 
     An XLA step (``jit_compile``) is measured as a training step too: the
     gradient of a loss (half the outputs' sum of squares) and the update. XLA
-    schedules the whole step as one program, and both move its buffer:
-    ResNet50's plans measured 17 MiB (5%) below a step with Keras' SGD when their
-    gradients were only summed, and a U-Net plan 11% above it with an output
-    gradient of ones (measured 2026-11-25); with both, the same bytes as Keras'
-    SGD step."""
+    schedules the whole step as one program, and both move its buffer: with
+    gradients only summed it read below a step with Keras' SGD, with an output
+    gradient of ones above it; with both, the same bytes as Keras' SGD step
+    (see docs/design.md#xla-plans)."""
     updated: list[tf.Variable] = []  # filled when traced: the variables the step updates
 
     def chain(x: Any) -> list[Any]:
@@ -207,8 +203,9 @@ def graph_plain_peak(calls, x, device, jit_compile: bool = False,
             if requested is not None:
                 return requested
             return max(0, allocator.peak_since_mark() - start)  # that step's chunks
-        # The median of three steps: which updates overlap which backward ops is
-        # the executor's choice, and moves a step's peak (U-Net: 44.4-49.5 MiB).
+        # The median of a few steps: which updates overlap which backward ops is
+        # the executor's choice, and moves a step's peak (see
+        # docs/design.md#graph-profile-readings).
         peaks = []
         for _ in range(_PLAIN_STEPS):
             start = allocator.mark()
@@ -240,8 +237,8 @@ def _backprop(tape: tf.GradientTape, x: Any, y: Any,
 
     XLA compiles a constant output gradient into the backward and schedules the
     step otherwise than for a loss's gradient, which depends on the outputs:
-    a U-Net plan's step needed a 35.7 MiB buffer with ones, and 32.2 with the
-    outputs, as with a mean-square loss and Keras' SGD (measured 2026-11-25)."""
+    with ones a plan's step needed a larger buffer than with the outputs, as
+    with a mean-square loss and Keras' SGD (see docs/design.md#xla-plans)."""
     leaves = [t for t in tf.nest.flatten(x) if is_differentiable(t)]
     outputs = [t for t in tf.nest.flatten(y) if is_differentiable(t)]
     watched = list(tape.watched_variables())

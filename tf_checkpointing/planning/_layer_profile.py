@@ -22,6 +22,7 @@ import tensorflow as tf
 
 from tf_checkpointing.core._recompute import is_differentiable
 from tf_checkpointing.planning._allocator import Allocator, nbytes, sync
+from tf_checkpointing.planning._constants import TIMED_RUNS as _TIMED_RUNS
 
 __all__: list[str] = []
 
@@ -70,9 +71,10 @@ class ChainProfile:
         compiled: measured for a training step that is a ``tf.function``: each
             layer's forward and backward profiled as one graph.
         xla: measured for a ``jit_compile=True`` step: ``plain_peak_bytes`` is
-            the XLA-compiled plain step's (XLA assigns buffers its own way: on
-            ResNet50 its plain step peaks 1.1-1.2x the graph's, and the per-layer
-            graphs, read with a ``py_function`` XLA cannot compile, are scaled to it).
+            the XLA-compiled plain step's (XLA assigns buffers its own way, its
+            plain step peaking above the graph's, see docs/design.md#xla-plans; the
+            per-layer graphs, read with a ``py_function`` XLA cannot compile, are
+            scaled to it).
         xla_anchor: for ``xla``, the least-memory plan's XLA step measured too
             (an :class:`~tf_checkpointing.planning._xla.XlaAnchor`): the
             planner maps its peaks onto the two measured XLA steps.
@@ -122,9 +124,6 @@ def untaped_pass(calls, x, device, call_overhead: float = 0.0):
         sizes.append(nbytes(y))
         x = y
     return peaks, seconds, sizes
-
-
-_TIMED_RUNS = 3
 
 
 def forward_seconds(call: Callable[[Any], Any], x: Any) -> float:

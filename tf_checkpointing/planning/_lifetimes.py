@@ -9,12 +9,11 @@ not on the plan, so they are computed once here, as ``(n + 1) x (n + 1)``
 tables over pairs of cuts.
 
 Everything here was checked against allocator traces of real steps (the
-TensorFlow profiler's allocation events, on ResNet50, MobileNetV2, a U-Net and
-GPT2Backbone): a model that counted every output a replay makes (BatchNorm
-and ``Add`` outputs, which no backward reads and the executor frees at once)
-and both a region's inputs and their copies predicted ResNet50 plans up to
-56% above the peak of their tensors; one that missed parallel branches'
-backward passes running at once, up to 19% below.
+TensorFlow profiler's allocation events): a model that counted every output a
+replay makes (BatchNorm and ``Add`` outputs, which no backward reads and the
+executor frees at once) and both a region's inputs and their copies predicted
+plans far above the peak of their tensors; one that missed parallel branches'
+backward passes running at once, below it (see docs/design.md#memory-model).
 """
 
 from __future__ import annotations
@@ -97,7 +96,7 @@ class Lifetimes:
         """The tables of tensors that no backward after some cut reads.
 
         A tensor made in ``[a, c)`` and read after ``c`` only by calls whose
-        backward does not read it (a U-Net skip read by ``Concatenate``) is free
+        backward does not read it (a skip connection read by ``Concatenate``) is free
         once the forward read it: the region does not hold it for the backward
         (``held_live``). If a later region reads it, that region keeps it as
         its input until its backward (``kept_in``: charged there, not where it
@@ -148,7 +147,7 @@ class Lifetimes:
         holds for it (its original, held for the backward reading it) except
         when both live: some call of the region saves it *and* a backward
         before the region (or the step's end, for a model output) still needs
-        the original (``double``; a ResNet block's input, saved by the block's
+        the original (``double``; a residual block's input, saved by the block's
         first convolution inside the region and by the ReLU that made it, before).
         """
         n = self.n
@@ -175,12 +174,12 @@ class Lifetimes:
 def concurrent_backward(costs: GraphCosts) -> np.ndarray:
     """Per call ``k``, the largest backward peak of a call on a branch beside it.
 
-    Calls on parallel branches (no path from one to the other: a ResNet block's
-    shortcut convolution and its main branch) have their backward run at the
-    same time: the executor runs whatever is ready, and both branches' output
-    gradients arrive together from the ``Add``. Traced on ResNet50 inside a
-    replay: both branches' BatchNorm backward temporaries (48 and 32 MiB) were
-    alive at once, a peak the one-call-at-a-time sum missed by up to 19%.
+    Calls on parallel branches (no path from one to the other: a residual
+    block's shortcut convolution and its main branch) have their backward run at
+    the same time: the executor runs whatever is ready, and both branches'
+    output gradients arrive together from the ``Add``. Traced inside a replay,
+    both branches' BatchNorm backward temporaries were alive at once, a peak the
+    one-call-at-a-time sum missed (see docs/design.md#memory-model).
     """
     n = costs.n
     successors: list[set[int]] = [set() for _ in range(n)]

@@ -16,6 +16,8 @@ from typing import Any, Optional
 
 from tf_checkpointing.core._seeding import random_state_kept
 from tf_checkpointing.planning._budget import LEAST, Budget
+from tf_checkpointing.planning._constants import CHUNKS as _CHUNKS
+from tf_checkpointing.planning._constants import HEADROOM as _HEADROOM
 from tf_checkpointing.planning._frozen import warn_eager_frozen
 from tf_checkpointing.planning._graph import LayerGraph
 from tf_checkpointing.planning._graph_choices import policy_arrays
@@ -38,19 +40,7 @@ from tf_checkpointing.policies import reductions_saveable
 
 __all__ = ["plan_graph"]
 
-_HEADROOM = 0.10
-# A tf.function step's allocator peak over its tensors' (the model's) peak, for the
-# least plan. The BFC allocator splits a free chunk only when it is at least twice
-# the request, so tensors occupy larger chunks; measured with the allocator's own
-# events in fresh processes, the chunks of 19 checkpointed plans of the four
-# benchmark models peaked 1.00-1.27x their tensors (GPT2Backbone 1.00-1.07, ResNet50
-# 1.08-1.17 on its budget plans, MobileNetV2 up to 1.22, the U-Net's least plan
-# 1.27); the middle of that range is the expected peak. The ratio moves by run too:
-# a later run measured the same MobileNetV2 least plan at 1.33x. Plans are chosen
-# with it; a plan between the least and plain is predicted with less of it (see
-# chunk_factor): the plain step's chunks are what the profile was calibrated on.
-# (XLA's one buffer is its own size: no factor.)
-_CHUNKS = 1.10
+# The constants are explained where they are defined (planning/_constants.py).
 
 
 def plan_graph(graph: LayerGraph, inputs: Any, budget: Budget, *, mode: str, api: str,
@@ -135,7 +125,7 @@ def _plan_graph(graph: LayerGraph, inputs: Any, budget: Optional[int], *, mode: 
         usable = budget * (1 - _HEADROOM)
         if anchor is None:
             # Chosen with the least plan's factor, predicted with the plan's own:
-            # the gap is a margin for the model's errors (see docs/design.md).
+            # the gap is a margin for the model's errors (see docs/design.md#chunk-factor).
             found = solve(region_model, usable / chunks, nested=nested)
         else:  # chosen on the measured curve, and measured (see _xla.plan_within)
             def solve_for(limit: float) -> Optional[Solution]:
@@ -162,10 +152,9 @@ def chunk_factor(model_bytes: float, plain_bytes: float, least_bytes: float,
     ``model_bytes``: ``chunks`` at the least plan's peak (and below), falling in
     proportion to the bytes the plan saves to 1 at plain's, whose chunks the
     profile was calibrated on. The predicted peak; plans are chosen with
-    ``chunks`` itself (a margin). A fixed factor counted the chunks of a plan
-    that runs most of the model plainly twice: the benchmark U-Net's plan at 75%
-    of the way to plain was predicted 12% above its median peak (its chunks held
-    its tensors within 3%), and its plans at 65-90% of the way 8-15% above.
+    ``chunks`` itself (a margin). Falling, because a fixed factor counted the
+    chunks of a plan that runs most of the model plainly twice (see
+    docs/design.md#chunk-factor).
 
         >>> from tf_checkpointing.planning._model import chunk_factor
         >>> chunk_factor(60.0, plain_bytes=100.0, least_bytes=20.0, chunks=1.1)
@@ -181,8 +170,7 @@ def with_reductions(policies: tuple[Any, ...]) -> tuple[Any, ...]:
     """``policies`` with ``policies.reductions_saveable`` first: a region may
     always keep its reductions' results (a BatchNorm's batch moments, a
     LayerNorm's), which cost almost no memory and spare the replay the passes
-    that made them (the U-Net's halfway plan: 1.25x plain replaying them, 1.13x
-    keeping them; ResNet50's: 1.13x and 1.03x; measured 2026-11-25)."""
+    that made them (see docs/design.md#save-policies-per-region)."""
     return (reductions_saveable,) + tuple(p for p in policies if p is not reductions_saveable)
 
 

@@ -21,6 +21,7 @@ import tensorflow as tf
 from tf_checkpointing.planning._allocator import in_fresh_thread
 from tf_checkpointing.planning._cache import registered
 from tf_checkpointing.planning._choices import PolicyChoices
+from tf_checkpointing.planning._constants import MODEL_CACHE_SIZE as _CACHE_SIZE
 from tf_checkpointing.planning._frozen import backprop_calls, without_backward
 from tf_checkpointing.planning._graph import (
     LayerGraph,
@@ -38,7 +39,6 @@ from tf_checkpointing.planning._xla import forget_model_anchor
 
 __all__: list[str] = []
 
-_CACHE_SIZE = 4
 _profiles: dict[Any, tuple[Any, ChainProfile, GraphCosts]] = registered({})
 _choices: dict[Any, tuple[Any, PolicyChoices]] = registered({})
 
@@ -138,9 +138,8 @@ def _profile(graph: LayerGraph, inputs: Any, *, mode: str,
     # the call's input gradient may still read the weight's value: the update
     # then copies the weight (a variable's buffer still read is copied on write),
     # one more weight beside its gradient, which the profile (gradients returned,
-    # not applied) does not see. MobileNet (64x64, batch 4): its last 1x1
-    # convolution's 4 MiB kernel copied beside its 4 MiB gradient made the least
-    # plan's peak, 9.2 MiB of tensors where the model said 5.3.
+    # not applied) does not see; a large kernel copied so can make a least plan's
+    # peak (see docs/design.md#memory-model).
     update = np.array([p.weight_grad_bytes if mode == "graph" else 0 for p in layers], float)
     costs = GraphCosts(
         kept=np.array([p.kept_bytes for p in layers], float),
@@ -171,9 +170,8 @@ def _shared_gradients(graph: LayerGraph, sizes: dict) -> np.ndarray:
     tensors alive at a cut whose only reader from there on is one ``Add`` of
     same-shaped inputs have one gradient between them (``tf.add``'s gradient
     passes the output's to each input, the same tensor). At the cut before a
-    ResNet block's ``Add`` the branch's output and the shortcut have one 16 MiB
-    gradient, not 32 (traced on ResNet50, whose replays were modelled 16 MiB
-    high there)."""
+    residual block's ``Add`` the branch's output and the shortcut have one
+    gradient, not two (traced; see docs/design.md#memory-model)."""
     n = len(graph.calls)
     made, readers = graph.producers(), graph.consumers()
     outputs = set(graph.output_keys)

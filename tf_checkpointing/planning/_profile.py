@@ -49,8 +49,8 @@ def profile_chain(calls: Sequence[Callable[[Any], Any]], inputs: Any, *,
     and frees them as the backward goes), and ``plain_peak_bytes`` is the
     whole chain's, measured as one graph. ``same_as[i] = j < i`` says call
     ``i`` is the same computation as call ``j`` (same layer configuration on
-    the same shapes: ResNet50 repeats its blocks): its graph is not traced and
-    measured again, it gets ``j``'s readings. With ``applied``, the compiled
+    the same shapes: a residual network repeats its blocks): its graph is not
+    traced and measured again, it gets ``j``'s readings. With ``applied``, the compiled
     plain step consumes each weight gradient as soon as it is made, as an
     optimizer inside the step does (``Model.fit``: the executor runs each
     variable's update when its gradient is ready, and frees the gradient), so

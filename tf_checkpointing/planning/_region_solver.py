@@ -15,11 +15,18 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
+from tf_checkpointing.planning._constants import (
+    NESTED_MAX_LEN,
+    NESTED_MIN_LEN,
+    NESTED_NEED_RATIO,
+    NESTED_UNITS,
+)
+from tf_checkpointing.planning._constants import REGION_UNITS as _UNITS
 from tf_checkpointing.planning._regions import RegionModel
 
 __all__ = ["NO_POLICY", "Solution", "nested_options", "solve"]
 
-_UNITS = 400
+# _UNITS: the program's memory units (see docs/design.md#region-program).
 
 
 Span = tuple  # (start, stop, inner spans): a checkpointed region, nested checkpoints inside
@@ -167,10 +174,13 @@ def _options(model: RegionModel, a: int, c: int, stop: int, nested: Optional[dic
                    held + then, extra)
 
 
-def nested_options(model: RegionModel, max_len: int = 24, units: int = 40) -> dict:
+def nested_options(model: RegionModel, max_len: int = NESTED_MAX_LEN,
+                   units: int = NESTED_UNITS) -> dict:
     """For each region ``[a, c)`` of at most ``max_len`` calls, the least peak of
     its replay when the replay checkpoints regions of its own (one level), as
-    ``(need, extra work, inner spans)``; only where that is below the flat need."""
+    ``(need, extra work, inner spans)``; only where that is clearly below the flat
+    need. Regions too short to hold a sub-region worth nesting are skipped, and a
+    gain within the model's error is not offered (see docs/design.md#nesting)."""
     options: dict = {}
     replay = model.in_replay()  # the sub-regions' plain calls run inside the replay
     unit = max(float(np.nanmax(np.where(np.isfinite(model.bwd_region), model.bwd_region, 0))),
@@ -178,13 +188,13 @@ def nested_options(model: RegionModel, max_len: int = 24, units: int = 40) -> di
     for a in range(model.n):
         stop = min(model.n, a + max_len)
         tables = _tables(replay, None, a, stop, None, None, units, unit)
-        for c in range(a + 3, stop + 1):
+        for c in range(a + NESTED_MIN_LEN, stop + 1):
             flat = model.need(a, c, True)
             inner = _best(tables, None, a, c, None)
             if inner is None or not inner.spans:
                 continue
             need = model.replay_need(a, c, inner.value)
-            if need < flat * 0.97:
+            if need < flat * NESTED_NEED_RATIO:
                 inner_work = sum(model.cost_prefix[e] - model.cost_prefix[s]
                                  for s, e, _ in inner.spans)
                 options[(a, c)] = (need, inner_work, inner.spans)

@@ -2,10 +2,10 @@
 
 The choice of algorithm. Checkmate (Jain et al. 2020) solves the general
 rematerialization problem exactly as a MILP over every (stage, node) pair:
-optimal, but minutes to hours for ResNet50-sized graphs and it needs an ILP
-solver (not a dependency we may add). Rockmate (Zhao et al. 2023) finds
-blocks in the graph, solves each with a small ILP, and chains the blocks
-with rotor; Kumar et al. (2019) decompose by treewidth, with bounds but no
+optimal, but minutes to hours for a model of a few hundred layer calls, and
+it needs an ILP solver (not a dependency we may add). Rockmate (Zhao et al.
+2023) finds blocks in the graph, solves each with a small ILP, and chains the
+blocks with rotor; Kumar et al. (2019) decompose by treewidth, with bounds but no
 practical speed. torch.compile's min-cut partitioner (with
 ``activation_memory_budget``) picks *which tensors to save* in one joint
 forward+backward graph, which our runtime (one ``custom_gradient`` per
@@ -13,7 +13,8 @@ region) cannot express. What our runtime can run is a sequence of regions
 of consecutive calls in a topological order, each either plain or
 checkpointed, and for that family the optimum is found exactly by a dynamic
 program over cut positions, in ``O(n^2 U)`` vector steps for ``n`` calls and
-``U`` memory units (ResNet50: 177 calls, well under a second of NumPy):
+``U`` memory units (well under a second of NumPy for a few hundred calls; see
+docs/design.md#choice-of-algorithm):
 
 ``best[c'][h']`` is the least recomputation to run calls ``[0, c')`` with
 ``h'`` bytes (in units) held for the backward, reached from ``best[c][h]`` by
@@ -25,29 +26,27 @@ flight across the cut, and in eager mode the weight gradients of later calls; a
 compiled step applies each one as it is made, as ``fit`` does) within the
 budget. The held bytes are what makes DAGs different from chains: a tensor
 is counted once, where it is made, however many region boundaries it crosses
-(a U-Net skip made in the encoder and read by the decoder is held once, not
-at every cut in between), so a graph without articulation points is planned
-like any other. The same program with ``max`` in place of ``+`` gives the
+(a skip connection made in an encoder and read by its decoder is held once,
+not at every cut in between), so a graph without articulation points is
+planned like any other. The same program with ``max`` in place of ``+`` gives the
 least peak of any plan (``budget="min"``).
 
 A region's replay starts as soon as the gradient of its outputs arrives, and in
 a graph that is before the plain call run right after it has finished its
 backward: the executor computes that call's input gradient first and its weight
 gradients later, so the tensors it keeps are still held while the region
-replays (a plain GPT-2 block after the last checkpointed one added its 35 MiB
-to the least plan's peak: 89 MiB measured, 49 predicted without this term). So
-a region followed by a plain call is one step of the program, whose need counts
-that call's held bytes during the region's backward; a plain call may follow
-only a plain call (or the start), never a region directly.
+replays (see docs/design.md#region-program). So a region followed by a plain
+call is one step of the program, whose need counts that call's held bytes
+during the region's backward; a plain call may follow only a plain call (or
+the start), never a region directly.
 
 Checkpoints nest one level, as in rotor (Beaumont et al. 2019): a region's
 replay may itself checkpoint sub-regions, which lowers what the replay holds
 (every call of a replay, its sub-regions' plain calls included, keeps what its
-per-call profile measured). For each
-region of up to 24 calls, the same program run from its start gives the least
-peak of its replay with sub-regions (one run per start gives every end), and
-the outer program may take the region flat or nested (paying the sub-regions'
-recomputation too).
+per-call profile measured). For each short region, the same program run
+from its start gives the least peak of its replay with sub-regions (one run
+per start gives every end), and the outer program may take the region flat or
+nested (paying the sub-regions' recomputation too; see docs/design.md#nesting).
 
 This module is the memory model (:class:`RegionModel`), built on the tensor
 lifetimes of :mod:`._lifetimes`; the program itself is :mod:`._region_solver`.
@@ -74,8 +73,7 @@ class RegionModel:
     ``plain_scale`` multiplies the per-call bytes of calls run plainly (not
     those of replays): fitted so that the model predicts the measured plain
     step, it absorbs what per-call graphs measure differently from one whole
-    step (0.96-1.04 on the four benchmark models; 0.57 on ResNet50 when the
-    outputs no backward reads were still counted). A replay's calls keep
+    step (see docs/design.md#plain-step-calibration). A replay's calls keep
     what their per-call graphs measured, less those outputs, and a call's
     backward runs beside those of parallel branches (see :mod:`._lifetimes`).
     """
@@ -90,8 +88,8 @@ class RegionModel:
         self.kept_in, self.free_out = tables.kept_in, tables.free_out
         self.enter, self.double = tables.enter, tables.double
         # A replay is a graph too: the outputs no backward reads are freed as soon
-        # as the forward read them (ResNet50's BatchNorm and Add outputs), so its
-        # calls hold what they keep without those.
+        # as the forward read them (BatchNorm and Add outputs), so its calls hold
+        # what they keep without those (see docs/design.md#memory-model).
         self.kept_prefix = np.concatenate([[0.0], np.cumsum(np.maximum(
             costs.kept - self.free_out, 0.0))])
         self.fwd_ckpt = np.full((n + 1, n + 1), -np.inf)
@@ -105,9 +103,9 @@ class RegionModel:
         # A call's backward peak was read above what its forward kept, its outputs
         # included; in a replay the outputs no backward reads are gone by then
         # (kept_prefix leaves them out), so its backward is its own peak above the
-        # rest: a MobileNetV2 BatchNorm's backward makes three temporaries the
-        # size of its output (72 MiB), which the reading above its kept output
-        # put at 48 (a least plan's tensors peaked 24 MiB above the model).
+        # rest: a BatchNorm's backward makes three temporaries the size of its
+        # output, which the reading above its kept output undercounts (see
+        # docs/design.md#memory-model).
         replay_bwd = costs.bwd if costs.bwd_alone is None else np.maximum(
             costs.bwd, costs.bwd_alone + self.free_out)
         for a in range(n):
@@ -159,9 +157,9 @@ class RegionModel:
     def in_replay(self) -> RegionModel:
         """The model of calls run inside a replay: every call keeps what its
         per-call profile measured (no plain-step scale), its backward runs beside
-        those of parallel branches, as in a flat replay (a ResNet block's two
-        last BatchNorms, plain inside a nested replay of ResNet50's least plan:
-        both backward passes' temporaries, 80 MiB, were alive at once), and no
+        those of parallel branches, as in a flat replay (a residual block's two
+        last BatchNorms, plain inside a nested replay, have both backward passes'
+        temporaries alive at once; see docs/design.md#memory-model), and no
         policies."""
         view = copy.copy(self)
         view.rescale_plain(1.0, beside=True)

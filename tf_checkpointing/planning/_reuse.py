@@ -4,15 +4,15 @@
 plan from the batch of a training call, in the mode it runs. A plan is within
 its budget only for that batch size and mode, so one is kept per mode and
 batch shape: a call in a new mode, or with a batch larger than any planned for
-its mode, is planned anew (a batch-4 warm-up step, then batch-32 training, ran
-the batch-4 plan at 1.42x the budget; an eager sanity step pinned an eager plan
-that ``Model.fit`` then ran). A smaller batch keeps less, so it runs the plan
-of a batch at least as large. For a batch of unknown size (traced with a None
-batch dimension: an epoch's last under ``reduce_retracing``) no plan can be
-made: it runs the largest plan whose other dimensions are at least its own, of
-its mode or another, and warns that the budget holds only for batches no
-larger (after a batch-4 warm-up, a ``Model.fit`` traced with a None batch ran
-the batch-4 plan at batch 16, 1.64x the budget, silently).
+its mode, is planned anew (a small warm-up batch's plan overran the budget of
+the training batches, and an eager sanity step pinned an eager plan that
+``Model.fit`` then ran; see docs/design.md#plans-per-batch-and-mode). A smaller
+batch keeps less, so it runs the plan of a batch at least as large. For a batch
+of unknown size (traced with a None batch dimension: an epoch's last under
+``reduce_retracing``) no plan can be made: it runs the largest plan whose other
+dimensions are at least its own, of its mode or another, and warns that the
+budget holds only for batches no larger (it used to overrun the budget
+silently).
 """
 
 from __future__ import annotations

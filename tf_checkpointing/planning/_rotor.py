@@ -32,13 +32,16 @@ import numpy as np
 
 from tf_checkpointing.planning._chain_model import Chain, extra_seconds, fitted_chain, peak
 from tf_checkpointing.planning._choices import PolicyChoices
+from tf_checkpointing.planning._constants import HEADROOM as _HEADROOM
+from tf_checkpointing.planning._constants import ROTOR_MAX_UNITS as _MAX_UNITS
+from tf_checkpointing.planning._constants import ROTOR_MIN_UNITS, ROTOR_TABLE_CELLS
 from tf_checkpointing.planning._layer_profile import ChainProfile
 from tf_checkpointing.planning._plan import Segment, SequentialPlan
 
 __all__ = ["solve"]
 
-_MAX_UNITS = 1000
-_HEADROOM = 0.10
+# _MAX_UNITS, ROTOR_MIN_UNITS, ROTOR_TABLE_CELLS: the program's memory units (see
+# docs/design.md#rotor-discretisation); _HEADROOM: see docs/design.md#headroom.
 
 
 def solve(profile: ChainProfile, budget: Union[int, str], *, api: str = "plan_sequential",
@@ -57,8 +60,7 @@ def solve(profile: ChainProfile, budget: Union[int, str], *, api: str = "plan_se
         min_pieces = plain  # under XLA the least plan peaks no lower than plain
     # Plans keep some of the budget free: the allocator hands out whole blocks
     # (up to twice a tensor's size) once it is fragmented, which no per-layer
-    # profile sees (measured: eager peaks up to ~20% above the prediction late
-    # in a long-running process, within 3% in a fresh one).
+    # profile sees (see docs/design.md#headroom).
     least = int(predict(min_peak + chain.outside))
     min_budget = min(plain_peak, int(math.ceil(least / (1 - _HEADROOM))))
     mode = "xla" if profile.xla else "graph" if profile.compiled else "eager"
@@ -138,7 +140,7 @@ def _least_work(chain: Chain, available: float) -> Optional[tuple[Segment, ...]]
     ``[s, mid)``, ``-2 - p`` runs layer ``s`` with policy ``p``.
     """
     n = chain.n
-    units = int(max(50, min(_MAX_UNITS, 3e7 // ((n + 1) ** 2))))
+    units = int(max(ROTOR_MIN_UNITS, min(_MAX_UNITS, ROTOR_TABLE_CELLS // ((n + 1) ** 2))))
     unit = available / units
     up = lambda v: np.ceil(np.asarray(v) / unit - 1e-9).astype(int)  # noqa: E731
     m = np.arange(units + 1)

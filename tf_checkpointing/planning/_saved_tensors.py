@@ -1,16 +1,16 @@
 """Which tensors of each layer call its backward reads: inputs, and its own outputs.
 
 A tensor that no backward reads lives only as long as the forward reads it:
-a U-Net's skip, read by ``MaxPooling2D`` inside an encoder region and then only
-by the decoder's ``Concatenate`` (whose gradient slices the incoming gradient and
-needs only the shapes), is free once the concatenation ran. The memory model
-(:mod:`._regions`) needs to know this to tell such a skip from one a later
-region keeps as its input until its backward: on the benchmark U-Net the two
-plans it could not tell apart measured 24 and 28 MiB.
+an encoder's skip, read by ``MaxPooling2D`` inside an encoder region and then
+only by the decoder's ``Concatenate`` (whose gradient slices the incoming
+gradient and needs only the shapes), is free once the concatenation ran. The
+memory model (:mod:`._regions`) needs to know this to tell such a skip from one
+a later region keeps as its input until its backward: plans it could not tell
+apart differ in their peaks (see docs/design.md#memory-model).
 
 A call's own output can be read by its backward too (``relu``'s gradient reads
 its output): such an output is held until that backward even when no later
-backward reads it (a U-Net's last ``relu`` of a stage, read next only by
+backward reads it (a decoder stage's last ``relu``, read next only by
 ``UpSampling2D``), so :func:`saved_tensors` says which.
 
 The answer is read from the call's gradient graph, traced (never run) once per

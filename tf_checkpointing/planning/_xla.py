@@ -1,21 +1,16 @@
 """Plans for an XLA step: the planners' model anchored at two measured XLA steps.
 
 Why a plan made from a graph profile overshoots under ``jit_compile=True``
-(measured, TF 2.21, XLA:CPU, from XLA's own buffer assignment,
-``XLA_FLAGS=--xla_dump_to=DIR --xla_dump_hlo_as_text``): XLA allocates one
-buffer for all of a step's temporaries, and its live bytes at the peak are the
-activations the graph model predicts *plus* buffers that do not shrink with
-checkpointing: the weights transposed for the backward convolutions (about the
-size of all weights) and, for a MaxPool, the iota/broadcast tensors of its
-gradient, which XLA's scheduler computes as soon as their inputs exist and
-keeps until the backward reads them. ResNet50's least plan (128x128, batch 16):
-124 MiB of activations, 89 MiB of weight copies, 68 MiB of MaxPool indices;
-with the default concurrency-optimised scheduler of XLA:CPU, 172 + 162 + 85
-MiB. The replays are not merged into the forward (the replayed convolutions
-are all in the optimised HLO). A planner that scales the per-layer numbers to
-the XLA plain step treats that constant part as proportional, and predicts
-the plans that keep little far too low (ResNet50: 158 MiB predicted, 456
-measured).
+(read from XLA's own buffer assignment, ``XLA_FLAGS=--xla_dump_to=DIR
+--xla_dump_hlo_as_text``): XLA allocates one buffer for all of a step's
+temporaries, and its live bytes at the peak are the activations the graph
+model predicts *plus* buffers that do not shrink with checkpointing: the
+weights transposed for the backward convolutions (about the size of all
+weights) and, for a MaxPool, the iota/broadcast tensors of its gradient, which
+XLA's scheduler computes as soon as their inputs exist and keeps until the
+backward reads them. The replays are not merged into the forward. A planner
+that scales the per-layer numbers to the XLA plain step treats that constant
+part as proportional, and predicts the plans that keep little far too low.
 
 So for an XLA step the planners compile and measure one more step, the
 least-memory plan, and map their model's peak ``g`` through the line that
@@ -24,31 +19,22 @@ part is the intercept, the activations the slope. A budget is met when the
 mapped peak fits it.
 
 The relation between ``g`` and XLA's peak is not a line, and depends on the
-model (measured, 2026-11-23, each plan one compiled SGD step): on ResNet50
-(128x128, batch 16) the least plan (``g`` 128 MiB) measured 301 MiB and
-plain (512) 512-525, but plans between them measured far above the line:
-``g`` 166, 243, 313, 397 MiB measured 398, 435, 485, 510 (the line: 322,
-364, 403, 449); the least plan is a low point of its own, and XLA saves
-little until nearly everything is checkpointed. On GPT2Backbone, where each
-checkpointed block saves about 23 MiB, the line missed by -10% to +13% (it
-does not tell a plan of four blocks, ``g`` 88, measured 83, from one of
-three, ``g`` 93, measured 106); on the U-Net plans of equal ``g`` measured
-up to 15% apart. So a whole-model plan for a budget is also checked: the
-plan chosen for the budget is compiled and measured, its measured peak
-becomes one more point of the mapping (a monotone piecewise-linear curve
-through every point measured for the profile), and if it does not fit, the
-plan is chosen again on the corrected curve (:func:`plan_within`). The
-plan's predicted peak is then its own measurement, not the curve's: the
-curve is raised to keep it monotone, and read a U-Net plan measured at 31
-MiB as 36 (2026-11-25).
+model: plans between the least and plain can measure far above the line, and
+plans of equal ``g`` apart. So a whole-model plan for a budget is also
+checked: the plan chosen for the budget is compiled and measured, its
+measured peak becomes one more point of the mapping (a monotone
+piecewise-linear curve through every point measured for the profile), and if
+it does not fit, the plan is chosen again on the corrected curve
+(:func:`plan_within`). The plan's predicted peak is then its own measurement,
+not the curve's, which is raised to keep it monotone.
 
 Each XLA step is measured by the bytes it requests (:mod:`._requested`),
 not by the allocator's chunks, which depend on the free chunks the profile
 left in the pool; and as a training step (a loss's gradient, an SGD update:
 ``_graph_profile.graph_plain_peak``), which XLA schedules otherwise than a
-backward with a constant output gradient and gradients only summed (a U-Net
-plan: 35.7 MiB against the Keras SGD step's 32.2; ResNet50's plans 17 MiB
-below it).
+backward with a constant output gradient and gradients only summed.
+
+The measurements behind all of this: docs/design.md#xla-plans.
 """
 
 from __future__ import annotations
@@ -60,6 +46,7 @@ from typing import Any, Callable, NamedTuple, Optional
 from tf_checkpointing.core._state import StateRecorder
 from tf_checkpointing.planning._allocator import concrete_inputs, in_fresh_thread, memory_device
 from tf_checkpointing.planning._cache import registered
+from tf_checkpointing.planning._constants import XLA_ANCHOR_CACHE_SIZE as _CACHE_SIZE
 from tf_checkpointing.planning._frozen import backprop_calls
 from tf_checkpointing.planning._graph import LayerGraph
 from tf_checkpointing.planning._graph_profile import graph_plain_peak
@@ -69,7 +56,6 @@ from tf_checkpointing.planning._runner import PlanRunner
 
 __all__: list[str] = []
 
-_CACHE_SIZE = 4
 _model_anchors: dict[Any, XlaAnchor] = registered({})  # per profile key: the measured least plan
 
 

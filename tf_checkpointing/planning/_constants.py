@@ -1,0 +1,77 @@
+"""The planners' tuning constants, each with the reason for its value.
+
+A leaf module: it imports nothing from the package, so any module may import it.
+The measurements behind the values are in ``docs/design.md`` (each constant names
+its section; the table there is under ``#planner-constants``). The modules that use
+a constant import it under their former private name (``_HEADROOM``, ``_CHUNKS``...).
+"""
+
+from __future__ import annotations
+
+__all__: list[str] = []
+
+# Budgets -------------------------------------------------------------------------
+
+# Share of a budget every plan keeps free: a fragmented allocator hands out blocks
+# up to twice a tensor's size, which no per-layer profile sees (design.md#headroom).
+HEADROOM = 0.10
+# A tf.function plan's allocator chunks over its tensors, at the least plan: the
+# middle of the range measured on checkpointed plans (design.md#chunk-factor).
+CHUNKS = 1.10
+# A budget below this many bytes is a unit slip (MiB, GiB): no training step fits.
+LEAST_BYTES = 1024
+
+# The whole-model region program (_region_solver) ---------------------------------
+
+# Memory units of the region program: fine against HEADROOM, and fast enough for a
+# model of a few hundred calls (design.md#region-program).
+REGION_UNITS = 400
+# Regions offered with sub-regions inside their replay (design.md#nesting): at most
+# this many calls (bounds the inner programs' time),
+NESTED_MAX_LEN = 24
+# counted in this many units (coarse: one inner program runs per start),
+NESTED_UNITS = 40
+# at least this many calls (a one-call sub-region keeps its input: it saves little),
+NESTED_MIN_LEN = 3
+# and only where nesting lowers the region's need below this share of its flat need
+# (a smaller gain is within the model's error, for a second recomputation).
+NESTED_NEED_RATIO = 0.97
+
+# The chain program (_rotor): units = max(MIN, min(MAX, CELLS // (n + 1) ** 2)) -----
+
+# At most 1000 units of the budget (0.1% each: well inside HEADROOM),
+ROTOR_MAX_UNITS = 1000
+# at least 50 for a long chain (2% each),
+ROTOR_MIN_UNITS = 50
+# and about this many (start, stop, units) cells in the tables: bounded memory and
+# time for any chain length (design.md#rotor-discretisation).
+ROTOR_TABLE_CELLS = 3e7
+
+# Caches (a profile runs the model, so it is kept and reused) ---------------------
+
+# The last 16 chains: checkpoint_sequential(budget=) asks for its plan on every call.
+CHAIN_CACHE_SIZE = 16
+# The last 4 models (with input shapes and mode): profiles and policy measurements.
+MODEL_CACHE_SIZE = 4
+# One XLA anchor per model profile kept (design.md#xla-plans).
+XLA_ANCHOR_CACHE_SIZE = MODEL_CACHE_SIZE
+
+# Repeated readings (the executor's order varies, design.md#graph-profile-readings) --
+
+# Runs of each layer's graph; the profile keeps the median readings.
+GRAPH_RUNS = 5
+# Plain steps measured, median kept (not under XLA, whose buffer is the same in each).
+PLAIN_STEPS = 3
+# Warm runs of a layer's forward; its time is the least of them.
+TIMED_RUNS = 3
+# Timing rounds per distinct call under each policy in a model's graph, more for a
+# call standing for several, up to POLICY_MAX_ROUNDS (design.md#policy-timing).
+POLICY_REPEATS = 3
+POLICY_MAX_ROUNDS = 8
+
+# Warnings ------------------------------------------------------------------------
+
+# apply_checkpointing(select=...) warns when the selection is predicted to keep at
+# least this share of plain's activations: it saves no memory and costs time
+# (design.md#per-layer-selections).
+COSTLY_SELECTION_RATIO = 0.97
