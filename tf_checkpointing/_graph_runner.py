@@ -32,11 +32,13 @@ import warnings
 from typing import Any, Optional
 
 import keras
+import tensorflow as tf
 
 from tf_checkpointing.core._flags import checkpoint_scopes_entered
 from tf_checkpointing.core._internals import get_keras_mask, set_keras_mask, unpack_singleton
 from tf_checkpointing.core._losses import AddedLosses
-from tf_checkpointing.core._recompute import checkpointed_call, needs_checkpoint
+from tf_checkpointing.core._recompute import checkpointed_call, layer_state, needs_checkpoint
+from tf_checkpointing.core._state import WritesKeptOut
 from tf_checkpointing.planning._budget import Budget
 from tf_checkpointing.planning._frozen import backprop_calls
 from tf_checkpointing.planning._graph import (
@@ -207,9 +209,12 @@ class GraphRunner:
         # its pooled copy) is not worth a warning. Each key is one tensor: leaf k.
         model_outputs = set(self.graph.output_keys)
         private = [k for k, key in enumerate(leaving) if key not in model_outputs]
+        state = [] if not tf.executing_eagerly() else [
+            v for call in calls for v in layer_state(call.layer)]
         out, out_masks = checkpointed_call(region, (values, masks), {},
                                            force_seed=self.force_seed, check=self.check,
-                                           policy=piece.policy, private_outputs=private)
+                                           policy=piece.policy, private_outputs=private,
+                                           state=state)
         for key, value, m in zip(leaving, out, out_masks):
             if m is not None:
                 set_keras_mask(value, m)
@@ -228,15 +233,14 @@ def _writes_kept_out(*, replay: bool, flat: bool) -> Any:
     write must run, so the replay and every later layer's backward that feeds its
     output gradients ran even when the step's gradient needs none of them (one
     with respect to the model's output held several times plain's memory; see
-    docs/design.md#replay-writes). Kept in a ``keras.StatelessScope``, the writes
-    are values the rest of the replay reads, as the forward read them, and the
+    docs/design.md#replay-writes). Kept in a stateless scope, the writes are
+    values the rest of the replay reads, as the forward read them, and the
     executor prunes a replay nothing asks for. Only for a flat region: a replay
     that runs checkpointed calls (a nested region, a ``checkpointable`` layer)
     keeps real writes, which those calls' own replays may read later."""
     if not (replay and flat):
         return contextlib.nullcontext()
-    # Losses are collected: the replay returns its own (see _losses).
-    return keras.StatelessScope(initialize_variables=False, collect_losses=True)
+    return WritesKeptOut()
 
 
 def model_runner(graph: LayerGraph) -> PlanRunner:

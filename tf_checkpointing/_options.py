@@ -12,7 +12,7 @@ overhead on the hot path of every layer call.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, Callable, Union
 
 import keras
@@ -37,8 +37,10 @@ class _Options:
     policy: Any = None
 
 
-def dispatch(fn: Callable[..., Any], args: tuple, kwargs: dict, options: _Options) -> Any:
-    """Runs one call: directly, or checkpointed."""
+def dispatch(fn: Callable[..., Any], args: tuple, kwargs: dict, options: _Options,
+             state: Callable[[], Sequence[Any]] = tuple) -> Any:
+    """Runs one call: directly, or checkpointed (``state()``: the variables it
+    may read and then write, see ``checkpointed_call``)."""
     checkpoint, force_seed, watch_vars = options.checkpoint, options.force_seed, ()
     policy = options.policy
     if kwargs and not _OPTION_NAMES.isdisjoint(kwargs):
@@ -60,7 +62,7 @@ def dispatch(fn: Callable[..., Any], args: tuple, kwargs: dict, options: _Option
         return fn(*args, **kwargs)
     return checkpointed_call(
         fn, args, kwargs, watch_vars=watch_vars, force_seed=force_seed, check=options.check,
-        policy=policy,
+        policy=policy, state=state() if tf.executing_eagerly() else (),
     )
 
 

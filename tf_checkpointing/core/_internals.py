@@ -30,6 +30,7 @@ from tensorflow.python.ops import (
     control_flow_v2_func_graphs,
     gen_random_ops,
     gen_resource_variable_ops,
+    stateful_random_ops,  # planning._no_trace: the global generator
     tensor_array_ops,
 )
 
@@ -44,5 +45,6 @@ __all__ = [
     "func_graph", "gen_random_ops", "gen_resource_variable_ops", "get_keras_mask",
     "is_float_dtype", "keras_backend", "keras_global_state", "op_callbacks", "operation_fn",
     "pywrap_tfe", "random_seed", "record", "set_keras_mask", "standardize_dtype",
-    "symbolic_scope", "tape_lib", "tensor_array_ops", "unpack_singleton", "xplane_pb2",
+    "stateful_random_ops", "symbolic_scope", "tape_lib", "tensor_array_ops", "unpack_singleton",
+    "xplane_pb2",
 ]

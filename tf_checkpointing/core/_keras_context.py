@@ -39,3 +39,12 @@ def restored(captured: tuple[Any, ...]) -> Iterator[None]:
     finally:
         for name, value in zip(_ATTRIBUTES, saved):
             keras_global_state.set_global_attribute(name, value)
+
+
+@contextlib.contextmanager
+def outside() -> Iterator[None]:
+    """A block run as if no Keras layer were being called: what it calls starts
+    a call context of its own, and the caller's (its ``training`` flag) is as
+    it was afterwards."""
+    with restored((None,) * len(_ATTRIBUTES)):
+        yield

@@ -78,6 +78,7 @@ def checkpointed_call(
     check: Any = False,
     policy: Any = None,
     private_outputs: Collection[int] = (),
+    state: Sequence[Any] = (),
 ) -> Any:
     """Calls ``fn(*args, **kwargs)`` keeping only its inputs for backprop.
 
@@ -94,6 +95,11 @@ def checkpointed_call(
         private_outputs: positions (in flattened order) of outputs only the caller's
             own ops read, never a user's tape, so they may feed other outputs
             without a warning (the regions of a whole-model plan).
+        state: variables ``fn`` may read and then write (a layer's non-trainable
+            variables and metrics). In eager mode TensorFlow converts a variable
+            argument of an op without an op anyone can watch, so a read before a
+            write is invisible; these are read first, so that the replay starts
+            from the values the forward started from (see ``_state``).
 
     Returns:
         What ``fn`` returns, with gradients defined by replaying ``fn``.
@@ -110,6 +116,7 @@ def checkpointed_call(
     # (see _losses); they are put back where the layers put them.
     fn, loss_owners = with_added_losses(fn)
     replay = _Replay(fn, flat, positions, watch_vars, force_seed, check)
+    replay.state = state
     if policy is not None:
         replay.saver = _save_policies.Saver(policy)
     returned: dict[str, Any] = {}
@@ -139,6 +146,12 @@ def checkpointed_call(
     result, losses = out.pack(out_leaves)
     put_back(loss_owners, losses)
     return result
+
+
+def layer_state(layer: Any) -> list[Any]:
+    """The variables a Keras layer's call may read and then write: its
+    non-trainable variables (statistics, seed generators) and its metrics'."""
+    return [*layer.non_trainable_variables, *layer.metrics_variables]
 
 
 def checkpointed(fn: Callable[..., Any], *, policy: Any = None) -> Callable[..., Any]:
@@ -172,6 +185,7 @@ class _Replay:
     save policy's picks: ``saver``)."""
 
     saver: Any = _save_policies.NO_SAVER
+    state: Sequence[Any] = ()
 
     def __init__(self, fn, flat, positions, watch_vars, force_seed, check):
         self.fn = fn
@@ -215,6 +229,8 @@ class _Replay:
         self.consumed = guard.consumed
         # Inside an enclosing checkpoint's replay, this forward is part of a replay.
         with checkpoint_scope(recomputing=is_recomputing()), self.recorder:
+            if tf.executing_eagerly():
+                self.recorder.read_first(self.state)
             try:
                 with record.stop_recording(), guard, self.captures.recording(), self._seeded():
                     for variable in self.watch_vars:

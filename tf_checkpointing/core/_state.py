@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, Optional
 
+import keras
 import tensorflow as tf
 
 from tf_checkpointing.core._internals import gen_resource_variable_ops, op_callbacks
@@ -113,6 +114,16 @@ class StateRecorder:
                 touched.first_value = inputs[1]
         touched.written = True
 
+    def read_first(self, variables: Sequence[Any]) -> None:
+        """Reads ``variables`` (Keras or TensorFlow ones) now, as the forward's
+        first reads: an eager op reads a variable argument without an op this
+        recorder sees, so a variable read and then assigned would look written
+        before it was read, and be replayed from its new value."""
+        for variable in variables:
+            if isinstance(variable, keras.Variable):  # its tf.Variable (not a scope's value)
+                variable = variable._value  # noqa: SLF001
+            self._record("ReadVariableOp", [variable.handle], [variable.read_value()])
+
     def restore_before(self) -> None:
         """Puts back the pre-forward value of every written variable (used when
         the forward raises, so that a failed call leaves no trace)."""
@@ -169,3 +180,46 @@ def replayed_state(recorder: StateRecorder) -> Iterator[None]:
     finally:
         for touched, value in zip(written, current):
             _assign(touched, value)
+
+
+class WritesKeptOut(keras.StatelessScope):
+    """A replay's scope in which Keras variables are read but not written, and a
+    value read after a write is, for the gradient, what plain TensorFlow reads.
+
+    In plain TensorFlow a variable read after ``assign`` is a ``ReadVariableOp``:
+    its value is the one assigned, but no gradient flows through it to what
+    computed that value (a running mean assigned from the batch, then
+    subtracted from it); a trainable variable's gradient flows to the variable.
+    A plain ``keras.StatelessScope`` hands the assigned tensor itself to later
+    reads, a gradient path plain does not have. Here the read is the assigned
+    value with its gradient stopped, and for a trainable variable the gradient
+    of the read goes to the variable (as a ``ReadVariableOp``'s does).
+
+    Example:
+        >>> import keras, tensorflow as tf
+        >>> from tf_checkpointing.core._state import WritesKeptOut
+        >>> v = keras.Variable(0.0, trainable=False)
+        >>> x = tf.constant(2.0)
+        >>> with tf.GradientTape() as tape:
+        ...     tape.watch(x)
+        ...     with WritesKeptOut():
+        ...         _ = v.assign(3.0 * x)
+        ...         y = x * v
+        >>> float(y), float(tape.gradient(y, x)), float(v.numpy())  # d(x * v)/dx = v
+        (12.0, 6.0, 0.0)
+    """
+
+    def __init__(self) -> None:
+        # Losses are collected: the replay returns its own (see _losses).
+        super().__init__(initialize_variables=False, collect_losses=True)
+
+    def add_update(self, update: tuple[Any, Any]) -> None:
+        variable, value = update
+        value = tf.stop_gradient(value)
+        if variable.trainable:
+            # A read of the variable itself (the tf.Variable under the Keras
+            # one), which the tape records: worth 0 in value, its gradient
+            # reaches the variable.
+            read = tf.convert_to_tensor(variable._value)  # noqa: SLF001
+            value = value + (read - tf.stop_gradient(read))
+        super().add_update((variable, value))

@@ -23,7 +23,6 @@ from typing import Any, Optional
 
 import tensorflow as tf
 
-from tf_checkpointing.core._seeding import random_state_kept
 from tf_checkpointing.planning._allocator import concrete_inputs, in_fresh_thread, in_xla_context
 from tf_checkpointing.planning._budget import Budget
 from tf_checkpointing.planning._cache import registered
@@ -36,6 +35,7 @@ from tf_checkpointing.planning._frozen import (
     trained_variables,
 )
 from tf_checkpointing.planning._layer_profile import ChainProfile
+from tf_checkpointing.planning._no_trace import nothing_left
 from tf_checkpointing.planning._plan import SequentialPlan
 from tf_checkpointing.planning._profile import layer_key, profile_chain
 from tf_checkpointing.planning._rotor import solve
@@ -56,8 +56,8 @@ def cached_plan(layers: list[Any], inputs: Any, budget: Budget, kwargs: dict[str
     seen with these input shapes, keywords and mode (the last 16 chains are
     kept). ``mode="auto"`` plans for a graph while a ``tf.function`` is traced.
     ``policies`` (validated) are measured once per chain too, for graphs only.
-    Measuring runs the layers; the random state they draw from is put back (see
-    ``random_state_kept``), only then: ``checkpoint_sequential(budget=)`` asks
+    Measuring runs the layers; the state they change is put back (see
+    ``_no_trace``), only then: ``checkpoint_sequential(budget=)`` asks
     for its plan on every call. Unless ``input_grad`` (a tape differentiates
     ``inputs``), the leading layers without trainable weights are planned as a
     compiled step runs them: outside backprop (see :func:`frozen_prefix`)."""
@@ -78,7 +78,7 @@ def cached_plan(layers: list[Any], inputs: Any, budget: Budget, kwargs: dict[str
         trainable = None if not frozen else _variables(layers[frozen:])
         # Identical layers on equal shapes (a transformer's blocks) share one
         # graph profile, which cuts planning time (see docs/design.md#chain-planner).
-        with random_state_kept():
+        with nothing_left(layers):
             profile = profile_chain(calls, inputs, names=names, api=api, compiled=compiled,
                                     xla=xla, layer_keys=[layer_key(layer, kw) for layer, kw
                                                          in zip(layers, routed)],
@@ -95,7 +95,7 @@ def cached_plan(layers: list[Any], inputs: Any, budget: Budget, kwargs: dict[str
         policies = ()
     choices: dict[tuple, PolicyChoices] = entry[2]
     if policies and policies not in choices:
-        with random_state_kept():
+        with nothing_left(layers):
             choices[policies] = in_fresh_thread(lambda: measure_choices(
                 layers, routed, concrete_inputs(inputs, api), policies, xla=xla))
     plans: dict[tuple, SequentialPlan] = entry[3]

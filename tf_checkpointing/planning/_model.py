@@ -14,7 +14,6 @@ import dataclasses
 import math
 from typing import Any, Optional
 
-from tf_checkpointing.core._seeding import random_state_kept
 from tf_checkpointing.planning._budget import LEAST, Budget
 from tf_checkpointing.planning._constants import CHUNKS as _CHUNKS
 from tf_checkpointing.planning._constants import HEADROOM as _HEADROOM
@@ -28,6 +27,7 @@ from tf_checkpointing.planning._model_profile import (
     profile_key,
 )
 from tf_checkpointing.planning._modes import step_mode
+from tf_checkpointing.planning._no_trace import nothing_left
 from tf_checkpointing.planning._plan import ModelPlan, pieces_of_spans
 from tf_checkpointing.planning._region_solver import NO_POLICY, Solution, nested_options, solve
 from tf_checkpointing.planning._runner import PlanRunner
@@ -47,10 +47,10 @@ def plan_graph(graph: LayerGraph, inputs: Any, budget: Budget, *, mode: str, api
                runner: PlanRunner, policies: tuple[Any, ...] = ()) -> ModelPlan:
     """The plan for ``graph`` (profiled on ``inputs``) and a validated ``budget``,
     choosing among the (validated) save ``policies`` per region; an XLA plan is
-    measured by running it with ``runner``. The random state the layers draw
-    from is as it was before (see ``random_state_kept``)."""
+    measured by running it with ``runner``. Every state the model owns is as it
+    was before (see ``_no_trace``)."""
     _expect_layer_calls(graph, api)
-    with random_state_kept():
+    with nothing_left([graph.model]):
         return _plan_graph(graph, inputs, None if budget == LEAST else int(budget), mode=mode,
                            api=api, runner=runner, policies=policies)
 

@@ -1,0 +1,214 @@
+"""Planning leaves no trace, and replays read what plain reads (issue 31).
+
+Planning a model runs it to measure it. Afterwards every variable, metric, random
+generator, optimizer slot and Keras call-context flag must be what plain training
+leaves, and the checkpointed model's first step must equal plain's first step.
+Each case is compared against an un-checkpointed twin built with the same seed.
+"""
+
+import re
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from helpers import assert_all_close, grads_of
+
+import tf_checkpointing as tc
+
+
+class RunningCentre(keras.layers.Layer):
+    """A custom normalisation: updates a running mean, then reads it back (the
+    tanh makes the output's gradient depend on the value read)."""
+
+    def build(self, shape):
+        self.mean = self.add_weight(shape=shape[1:], initializer="zeros", trainable=False,
+                                    name="mean")
+
+    def call(self, x):
+        self.mean.assign(0.9 * self.mean + 0.1 * tf.reduce_mean(x, 0))
+        return tf.tanh(x - self.mean)
+
+
+class Tracked(keras.layers.Layer):
+    """A layer that updates a Keras metric in its call (a common monitoring pattern)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.tracker = keras.metrics.Mean(name="tracked_mean")
+
+    def call(self, x):
+        self.tracker.update_state(x)
+        return x
+
+
+class OwnNoise(keras.layers.Layer):
+    """A layer that draws from a ``tf.random.Generator`` of its own."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.generator = tf.random.Generator.from_seed(3)
+
+    def call(self, x, training=None):
+        return x + 0.1 * self.generator.normal(tf.shape(x))
+
+
+def _model(middle, seed=0, batch_norm=False):
+    keras.utils.set_random_seed(seed)
+    x = keras.Input((16,))
+    h = keras.layers.Dense(16, name="first")(x)
+    if batch_norm:
+        h = keras.layers.BatchNormalization(name="bn")(h)
+    h = middle(h)
+    h = keras.layers.Dense(16, activation="tanh", name="second")(h)
+    h = keras.layers.Dropout(0.5, name="drop")(h)
+    return keras.Model(x, keras.layers.Dense(4, name="head")(h))
+
+
+def _state(model, extra=()):
+    """Every variable the model tracks (weights, statistics, metrics, seed
+    generators), by position and path (Keras numbers a twin's names on), plus
+    ``extra`` values."""
+    variables = list(model.variables)
+    for layer in model._flatten_layers(include_self=False):  # noqa: SLF001
+        variables += layer.metrics_variables
+    values = {f"{k} {re.sub(r'_[0-9]+', '', v.path)}": np.array(v.numpy())
+              for k, v in enumerate(variables)}
+    for k, value in enumerate(extra):
+        values[f"extra{k}"] = np.array(value)
+    return values
+
+
+def _assert_same_state(ours, plain):
+    assert set(ours) == set(plain)
+    for name in plain:
+        np.testing.assert_allclose(ours[name], plain[name], rtol=1e-5, atol=1e-6,
+                                   err_msg=name)
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph", "xla"])
+def test_a_value_read_after_its_assign_carries_no_gradient_in_a_planned_region(mode):
+    """Plain TensorFlow: the value read after ``assign`` does not depend on x for the
+    gradient. A flat region's replay keeps writes in a stateless scope; its reads
+    must not become a gradient path through the assigned value."""
+    x = tf.random.stateless_normal([8, 16], seed=[1, 2])
+    plain_model = _model(RunningCentre(name="centre"))
+    plain_model(x)
+    plain = grads_of(lambda x: plain_model(x, training=False), [x],
+                     plain_model.trainable_variables, mode)
+    model = _model(RunningCentre(name="centre"))
+    model(x)
+    plan = tc.ModelPlan.from_regions(model, [["first", "centre", "second"]], mode=mode)
+    tc.apply_checkpointing(model, plan=plan)
+    ours = grads_of(lambda x: model(x, training=False), [x], model.trainable_variables, mode)
+    assert_all_close(ours, plain, rtol=1e-4 if mode == "xla" else 1e-5)
+    np.testing.assert_allclose(model.get_layer("centre").mean.numpy(),
+                               plain_model.get_layer("centre").mean.numpy(), rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph", "xla"])
+def test_a_value_read_after_its_assign_in_a_checkpointable_layer(mode):
+    x = tf.random.stateless_normal([8, 16], seed=[1, 2])
+    keras.utils.set_random_seed(0)
+    plain_layer = RunningCentre()
+    plain_layer(x)
+    plain = grads_of(plain_layer, [x], [], mode)
+    layer = tc.checkpointable(RunningCentre(), checkpoint=True)
+    layer(x)
+    ours = grads_of(layer, [x], [], mode)
+    assert_all_close(ours, plain)
+    np.testing.assert_allclose(layer.mean.numpy(), plain_layer.mean.numpy(), rtol=1e-6)
+
+
+def test_the_planning_call_runs_in_the_mode_the_user_called():
+    """``model(x)`` under a tape, with no ``training`` argument, is an inference
+    call: BatchNormalization must use its moving statistics and Dropout must not
+    fire, in the planning call as in the call after it."""
+    x = tf.random.stateless_normal([8, 16], seed=[3, 4])
+    plain_model = _model(keras.layers.Activation("relu"), batch_norm=True)
+    with tf.GradientTape() as tape:
+        expected = plain_model(x)
+    model = _model(keras.layers.Activation("relu"), batch_norm=True)
+    tc.apply_checkpointing(model, budget="min")
+    with tf.GradientTape() as tape:
+        got = model(x)
+    del tape
+    assert_all_close(got, expected)
+    _assert_same_state(_state(model), _state(plain_model))
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_planning_leaves_metrics_as_plain_training_does(jit_compile):
+    x = np.random.default_rng(0).normal(size=(8, 16)).astype("float32")
+    y = np.zeros((8, 4), "float32")
+
+    def trained(checkpoint):
+        model = _model(Tracked(name="tracked"))
+        if checkpoint:
+            tc.apply_checkpointing(model, budget="min")
+        model.compile(keras.optimizers.SGD(1e-2), "mse", jit_compile=jit_compile)
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
+        tracker = model.get_layer("tracked").tracker
+        return model, [v.numpy() for v in tracker.variables]
+
+    plain_model, plain_tracker = trained(False)
+    model, tracker = trained(True)
+    assert_all_close(tracker, plain_tracker)
+    _assert_same_state(_state(model), _state(plain_model))
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph", "xla"])
+def test_planning_draws_nothing_from_layer_owned_generators(mode):
+    x = tf.random.stateless_normal([8, 16], seed=[5, 6])
+
+    def first_step(checkpoint):
+        model = _model(OwnNoise(name="noise"))
+        model(x)
+        if checkpoint:
+            tc.apply_checkpointing(model, budget="min")
+        out = grads_of(lambda x: model(x, training=True), [x], model.trainable_variables,
+                       mode)
+        return out, _state(model, [model.get_layer("noise").generator.state.numpy()])
+
+    plain, plain_state = first_step(False)
+    ours, state = first_step(True)
+    assert_all_close(ours, plain, rtol=1e-4 if mode == "xla" else 1e-5)
+    _assert_same_state(state, plain_state)
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_planning_leaves_no_trace_in_a_fit_step(jit_compile, tmp_path):
+    """The generic check: after one ``fit`` step, every variable the model tracks
+    (weights, BatchNorm statistics, Dropout seed generators, metrics, a layer's
+    own generator), every optimizer variable and the global generator are what
+    plain training leaves; and so is every variable a TensorFlow checkpoint of
+    model and optimizer saves (TensorFlow's own list, not this library's)."""
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(8, 16)).astype("float32")
+    y = rng.normal(size=(8, 4)).astype("float32")
+
+    def trained(checkpoint):
+        keras.utils.set_random_seed(2)
+        middle = keras.Sequential([Tracked(name="tracked"), OwnNoise(name="noise"),
+                                   keras.layers.Activation("gelu")], name="middle")
+        model = _model(middle, batch_norm=True)
+        if checkpoint:
+            tc.apply_checkpointing(model, budget="min")
+        optimizer = keras.optimizers.SGD(1e-2, momentum=0.9)
+        model.compile(optimizer, "mse", metrics=["mae"], jit_compile=jit_compile)
+        tf.random.set_global_generator(tf.random.Generator.from_seed(7))
+        history = model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
+        extra = [v.numpy() for v in optimizer.variables]
+        extra.append(tf.random.get_global_generator().state.numpy())
+        extra.append(history.history["loss"][0])
+        path = tf.train.Checkpoint(model=model, optimizer=optimizer).write(
+            str(tmp_path / f"ckpt{int(checkpoint)}"))
+        reader = tf.train.load_checkpoint(path)
+        saved = {re.sub(r"_[0-9]+", "", name): reader.get_tensor(name)
+                 for name in reader.get_variable_to_shape_map()
+                 if not name.startswith("_CHECKPOINTABLE_OBJECT_GRAPH")}
+        return _state(model, extra), saved
+
+    (ours, ours_saved), (plain, plain_saved) = trained(True), trained(False)
+    _assert_same_state(ours, plain)
+    _assert_same_state(ours_saved, plain_saved)
