@@ -341,3 +341,32 @@ def test_an_argument_object_holding_watched_tensors_is_named_in_the_error(mode):
 
     with pytest.raises(ValueError, match=r"argument of type Holder.*dataclass"):
         compile_step(step, mode)(tf.constant([1.0]))
+
+
+@pytest.mark.parametrize("build", ["row_lengths", "row_splits", "ragged_constant", "argument"])
+def test_what_plain_xla_compiles_on_ragged_tensors_compiles_checkpointed(build):
+    """XLA needs a ragged tensor's row partition as a compile-time constant; a
+    checkpointed call must not turn it into a runtime input."""
+    values = tf.constant([0.5, -1.0, 2.0, 0.25, 1.5, -0.5])
+    body = lambda rt: tf.reduce_sum(tf.sin(rt) * 2.0, axis=1)  # noqa: E731
+
+    def ragged(v):
+        if build == "row_lengths":
+            return tf.RaggedTensor.from_row_lengths(v, tf.constant([2, 3, 1], tf.int64))
+        if build == "row_splits":
+            return tf.RaggedTensor.from_row_splits(v, [0, 2, 5, 6])
+        return tf.ragged.constant([[1.0, 2.0], [3.0, 4.0, 5.0], [6.0]]) * v[0]
+
+    def step(fn):
+        @tf.function(jit_compile=True)
+        def run(v, rt=None):
+            with tf.GradientTape() as tape:
+                tape.watch(v)
+                x = ragged(v) if rt is None else rt.with_flat_values(rt.flat_values * v)
+                loss = tf.reduce_sum(fn(x) ** 2)
+            return loss, tape.gradient(loss, v)
+        return run
+
+    given = (tf.RaggedTensor.from_row_lengths(values, [2, 3, 1]),) if build == "argument" else ()
+    assert_all_close(step(checkpointable(body, checkpoint=True))(values, *given),
+                     step(body)(values, *given))

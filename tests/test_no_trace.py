@@ -7,6 +7,7 @@ Each case is compared against an un-checkpointed twin built with the same seed.
 """
 
 import re
+import warnings
 
 import keras
 import numpy as np
@@ -212,3 +213,37 @@ def test_planning_leaves_no_trace_in_a_fit_step(jit_compile, tmp_path):
     (ours, ours_saved), (plain, plain_saved) = trained(True), trained(False)
     _assert_same_state(ours, plain)
     _assert_same_state(ours_saved, plain_saved)
+
+
+class LegacyDropout(keras.layers.Layer):
+    """``tf.nn.dropout`` without a seed: a legacy stateful random op."""
+
+    def call(self, x):
+        return tf.nn.dropout(x, 0.5)
+
+
+@pytest.mark.parametrize("mode", ["graph", "xla"])
+def test_legacy_random_ops_in_a_planned_region_are_never_silent(mode):
+    """Their replay draws other numbers: the trace says so and names the fix, and
+    the fix (force_seed=True) replays them exactly (check="values" compares)."""
+    x = tf.random.stateless_normal([8, 16], seed=[7, 8])
+    model = _model(LegacyDropout(name="legacy"))
+    model(x)
+    plan = tc.ModelPlan.from_regions(model, [["first", "legacy", "second"]], mode=mode)
+    tc.apply_checkpointing(model, plan=plan)
+    with pytest.warns(UserWarning, match=r"legacy random op RandomUniform.*force_seed=True"):
+        grads_of(lambda x: model(x, training=True), [x], model.trainable_variables, mode)
+    tc.apply_checkpointing(model, plan=plan, force_seed=True, check="values")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        grads_of(lambda x: model(x, training=True), [x], model.trainable_variables, mode)
+
+
+def test_legacy_random_ops_in_an_eager_checkpointed_call_are_never_silent():
+    x = tf.random.stateless_normal([8, 16], seed=[7, 8])
+    layer = tc.checkpointable(LegacyDropout(), checkpoint=True)
+    with pytest.warns(UserWarning, match=r"legacy random op RandomUniform.*force_seed=True"):
+        grads_of(layer, [x], [], "eager")
+    exact = tc.checkpointable(LegacyDropout(), checkpoint=True, force_seed=True,
+                              check="values")
+    grads_of(exact, [x], [], "eager")  # a mismatch raises ReplayMismatchError

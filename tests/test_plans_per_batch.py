@@ -109,10 +109,34 @@ def test_a_batch_of_unknown_size_runs_the_plan_of_the_largest_batch(plans_made):
     step(_batch(4))
     with pytest.warns(UserWarning, match=r"unknown batch size.*runs the plan made for "
                                          r"inputs of shapes \[\(4, 8, 8, 3\)\], whose "
-                                         r"budget holds only for batches no larger"):
+                                         r"budget holds only for inputs no larger"):
         step(_batch(3))
     assert step.experimental_get_tracing_count() == 2
     assert plans_made == [("graph", ((4, 8, 8, 3),))]
+
+
+def test_an_unknown_dimension_other_than_the_batch_is_named(plans_made):
+    """A sequence length traced as None is not a batch size: the warning names the
+    axis and a fix that applies to it (drop_remainder would not)."""
+    keras.utils.set_random_seed(0)
+    x = keras.Input((None, 16))
+    h = x
+    for _ in range(3):
+        h = keras.layers.Add()([h, keras.layers.Dense(16, activation="relu")(h)])
+    model = keras.Model(x, keras.layers.Dense(1)(h))
+    tc.apply_checkpointing(model, budget="min")
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(x, training=True) ** 2)
+        return tape.gradient(loss, model.trainable_variables)
+
+    tf.function(step)(tf.random.normal([4, 8, 16]))
+    ragged_length = tf.function(step, input_signature=[tf.TensorSpec([4, None, 16])])
+    with pytest.warns(UserWarning, match=r"unknown size \(axis 1 of input 0\).*"
+                                         r"give that dimension a fixed size") as caught:
+        ragged_length(tf.random.normal([4, 6, 16]))
+    assert not any("drop_remainder" in str(w.message) for w in caught)
 
 
 @pytest.mark.parametrize("mode", ["eager", "graph"])

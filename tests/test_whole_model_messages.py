@@ -115,3 +115,15 @@ def test_min_passed_as_select_suggests_the_budget():
                                          r"budget='min'\?.*apply_checkpointing\(model, "
                                          r"budget='min'\)"):
         tc.apply_checkpointing(_mlp(), "min")
+
+
+def test_plan_model_refuses_inputs_that_are_not_the_models():
+    """Keras only warns when a one-input model gets a list: the plan would be made
+    for a call that then fails."""
+    x = keras.Input((8,))
+    model = keras.Model(x, keras.layers.Dense(2)(keras.layers.Dense(8)(x)))
+    batch = tf.ones([4, 8])
+    with pytest.raises(ValueError, match=r"plan_model: argument `inputs` must be a batch of "
+                                         r".*1 tensor\(s\) of shapes \[\(None, 8\)\]; "
+                                         r"received 2 of shapes \[\(4, 8\), \(4, 8\)\]"):
+        tc.plan_model(model, [batch, batch], budget="min")

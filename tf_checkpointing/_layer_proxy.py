@@ -60,7 +60,14 @@ class CheckpointedLayer(wrapt.ObjectProxy):
     def call(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped layer's ``call``, checkpointed: what Keras' ``__call__``
         runs. (Keras' output-shape inference runs it plainly.)"""
-        call = self.__wrapped__.call
+        return self._checkpointed(self.__wrapped__.call, args, kwargs)
+
+    def quantized_call(self, *args: Any, **kwargs: Any) -> Any:
+        """What Keras' ``__call__`` runs instead of ``call`` for a quantized layer
+        (``layer.quantize("int8")`` and the other modes), checkpointed the same way."""
+        return self._checkpointed(self.__wrapped__.quantized_call, args, kwargs)
+
+    def _checkpointed(self, call: Any, args: tuple, kwargs: dict) -> Any:
         if _in_symbolic_scope():
             return call(*args, **kwargs)
         given: dict[str, Any] = next(

@@ -18,6 +18,7 @@ import warnings
 from typing import Any, Optional, Union
 
 import keras
+import tensorflow as tf
 
 from tf_checkpointing._graph_runner import install, model_runner
 from tf_checkpointing.planning._budget import expect_budget
@@ -116,8 +117,24 @@ def plan_model(model: Any, inputs: Any, *, budget: Union[int, float, str], mode:
     checked = expect_budget(budget, api)
     candidates = expect_policies(policies, api)
     graph = read_graph(model, api)
+    _expect_inputs(model, graph, inputs, api)
     return plan_graph(graph, inputs, checked, mode=mode, api=api, runner=model_runner(graph),
                       policies=candidates)
+
+
+def _expect_inputs(model: Any, graph: Any, inputs: Any, api: str) -> None:
+    """Refuses a batch that is not the model's inputs (Keras only warns when a
+    one-input model gets a list, and the model then fails when called so)."""
+    given = tf.nest.flatten(inputs)
+    if len(given) == len(graph.input_keys):
+        return
+    wanted = [tuple(t.shape) for t in tf.nest.flatten(functional_of(model).inputs)]
+    received = [tuple(getattr(t, "shape", ())) for t in given]
+    raise ValueError(
+        f"{api}: argument `inputs` must be a batch of `{model.name}`'s inputs: "
+        f"{len(wanted)} tensor(s) of shapes {wanted}; received {len(received)} of shapes "
+        f"{received}. Pass the batch as the model is called on it, e.g. "
+        f"{api}(model, x, budget=...) with x of shape {wanted[0]} and a batch size.")
 
 
 def checkpoint_whole_model(model: Any, *, budget: Any = None,

@@ -141,9 +141,12 @@ def after_gradient(leaves: Sequence[Any], positions: Sequence[int],
     if tf.executing_eagerly() or not grads:
         return None
     taken = set(positions)
-    # A constant keeps its static value (shapes may be computed from it).
+    # A constant keeps its static value, and a vector (a ragged tensor's row
+    # splits, a shape) stays what XLA can fold to one: shapes may be computed
+    # from it, which XLA needs as compile-time constants.
     pending = [i for i, leaf in enumerate(leaves) if i not in taken
                and isinstance(leaf, tf.Tensor) and (leaf.dtype.is_integer or leaf.dtype.is_bool)
+               and (leaf.shape.rank is None or leaf.shape.rank > 1)
                and tf.get_static_value(leaf) is None]
     if not pending:
         return None

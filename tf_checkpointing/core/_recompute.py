@@ -220,9 +220,9 @@ class _Replay:
             return self.fn(*args, **kwargs)
 
     def _seeded(self) -> Any:
-        if self.call_seed is None:
-            return contextlib.nullcontext()
-        return _seeding.forced_seed(self.call_seed)
+        if self.call_seed is not None:
+            return _seeding.forced_seed(self.call_seed)
+        return _seeding.legacy_draws_noticed(self.name)
 
     def run_forward(self, inputs: Sequence[tf.Tensor]) -> Any:
         guard = CaptureGuard(self.name, inputs)

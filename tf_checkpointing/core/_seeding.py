@@ -29,6 +29,7 @@ import functools
 import inspect
 import random
 import threading
+import warnings
 from collections.abc import Iterator
 from typing import Any, Callable, Optional
 
@@ -253,3 +254,38 @@ _GEN_FUNCTIONS = {
     "truncated_normal": "TruncatedNormal",
     "random_uniform_int": "RandomUniformInt",
 }
+
+
+# Legacy stateful random ops: each op instance keeps its own kernel state, so a
+# replay (new op instances) draws other numbers unless force_seed rewrites them.
+_LEGACY_RANDOM_OPS = frozenset(_STATELESS_TWINS) | {
+    "RandomShuffle", "Multinomial", "RandomGamma", "RandomPoisson", "RandomPoissonV2",
+    "ParameterizedTruncatedNormal",
+}
+
+
+@contextlib.contextmanager
+def legacy_draws_noticed(name: str) -> Iterator[None]:
+    """While the forward of checkpointed call ``name`` (without ``force_seed``)
+    runs or is traced: warns (once per forward) if it runs a legacy stateful
+    random op, whose replay would draw other numbers and so give wrong gradients."""
+    warned: list[bool] = []
+
+    def notice(op_type, inputs, attrs, outputs, op_name=None, graph=None):
+        if op_type in _LEGACY_RANDOM_OPS and not warned:
+            warned.append(True)
+            warnings.warn(
+                f"checkpointable: `{name}` runs the legacy random op {op_type} (tf.nn.dropout, "
+                "tf.random.uniform and the like without a generator). Its replay in backprop "
+                "draws other numbers than the forward did, so the gradients would be wrong. "
+                "Fix: checkpointable(..., force_seed=True), or apply_checkpointing(model, ..., "
+                "force_seed=True), which replays them exactly; or draw with keras.random and "
+                "a keras.random.SeedGenerator, or a tf.random.Generator.",
+                UserWarning, stacklevel=2)
+        return outputs
+
+    op_callbacks.add_op_callback(notice)
+    try:
+        yield
+    finally:
+        op_callbacks.remove_op_callback(notice)

@@ -150,6 +150,17 @@ def _unknown_shape_fixes(api: str) -> str:
     return f"{same_size}."
 
 
+def unknown_dimensions(shapes: Any) -> str:
+    """Where ``shapes`` (one per input) have unknown dimensions, in words.
+
+        >>> from tf_checkpointing.planning._allocator import unknown_dimensions
+        >>> unknown_dimensions([(4, None, 16)])
+        'axis 1 of input 0'
+    """
+    return ", ".join(f"axis {axis} of input {i}" for i, shape in enumerate(shapes)
+                     for axis, d in enumerate(shape) if d is None)
+
+
 def in_fresh_thread(fn: Callable[..., Any], *args: Any) -> Any:
     """Runs ``fn(*args)`` eagerly, with no gradient tape of the caller recording it.
 

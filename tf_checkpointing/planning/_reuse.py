@@ -24,6 +24,7 @@ from typing import Any, Generic, Optional, TypeVar
 import tensorflow as tf
 
 from tf_checkpointing.core._internals import record
+from tf_checkpointing.planning._allocator import unknown_dimensions
 
 __all__: list[str] = []
 
@@ -82,13 +83,17 @@ class PlansByShape(Generic[Plan]):
             self._warned.add(mode)
             other = "" if planned_mode == mode else (
                 f" and for {planned_mode} steps (its predicted peak is theirs)")
+            batch = any(shape and shape[0] is None for shape in shapes)
+            what = "batch size" if batch else "size (" + unknown_dimensions(shapes) + ")"
+            known = ("every batch a known size (dataset.batch(n, drop_remainder=True))"
+                     if batch else "that dimension a fixed size (pad to a fixed length)")
             warnings.warn(
-                f"{self.api}: this {mode} step has an input of unknown batch size (shapes "
+                f"{self.api}: this {mode} step has an input of unknown {what} (shapes "
                 f"{list(shapes)}), so no plan can be made for it; it runs the plan made "
                 f"for inputs of shapes {list(planned)}{other}, whose budget holds only for "
-                "batches no larger. Fix: make the plan for the training batch first (a "
-                f"first {mode} step at that batch size{self._plan_ahead(mode)}), or give "
-                "every batch a known size (dataset.batch(n, drop_remainder=True)).",
+                "inputs no larger. Fix: make the plan for the largest input first (a "
+                f"first {mode} step at that size{self._plan_ahead(mode)}), or give "
+                f"{known}.",
                 UserWarning, stacklevel=4)
         return plan, False
 
