@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import keras
 import numpy as np
 import tensorflow as tf
 from conftest import compile_step
 
+import tf_checkpointing as tc
 from tf_checkpointing import checkpointable
+
+REPO = Path(__file__).resolve().parents[1]  # the repository's root
 
 
 def sgd_step(model, jit_compile=None):
@@ -133,15 +142,87 @@ def ran_in_fresh_process(request) -> bool:
     import os
     import subprocess
     import sys
-    from pathlib import Path
-
     if os.environ.get("TF_CHECKPOINTING_FRESH_TEST") == request.node.nodeid:
         return False
-    repo = Path(__file__).resolve().parents[1]
     env = dict(os.environ, TF_CHECKPOINTING_FRESH_TEST=request.node.nodeid)
     command = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
                request.node.nodeid]  # -n 0: this one test, in that process
-    done = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True,
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     return True
+
+
+# Models shared by the whole-model and chain tests.
+
+
+class Replays(keras.layers.Layer):
+    """Identity that counts how often it runs inside a replay."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.replays = 0
+
+    def call(self, x):
+        if tc.is_recomputing():
+            self.replays += 1
+        return x
+
+
+def residual_net(count=True):
+    x = keras.Input((8, 8, 3), name="image")
+    h = keras.layers.Conv2D(8, 3, padding="same", name="stem")(x)
+    for i in range(3):
+        y = keras.layers.Conv2D(8, 3, padding="same", name=f"conv{i}")(h)
+        y = keras.layers.BatchNormalization(name=f"bn{i}")(y)
+        y = keras.layers.Activation("relu", name=f"relu{i}")(y)
+        y = keras.layers.Dropout(0.3, name=f"drop{i}")(y)
+        y = Replays(name=f"count{i}")(y) if count else y
+        h = keras.layers.Add(name=f"add{i}")([h, y])
+    pooled = keras.layers.GlobalAveragePooling2D(name="pool")(h)
+    return keras.Model(x, keras.layers.Dense(2, name="head")(pooled), name="residual")
+
+
+def partly_frozen(frozen_blocks=2, blocks=4, width=8, image=8, count=False):
+    """A residual conv net whose stem and first blocks are frozen (with ``count``,
+    each block counts its replays)."""
+    x = keras.Input((image, image, 3))
+    stem = keras.layers.Conv2D(width, 3, padding="same", name="stem")
+    h = stem(x)
+    frozen = [stem]
+    for i in range(blocks):
+        conv = keras.layers.Conv2D(width, 3, padding="same", name=f"conv{i}")
+        norm = keras.layers.BatchNormalization(name=f"bn{i}")
+        y = keras.layers.Activation("relu", name=f"relu{i}")(norm(conv(h)))
+        y = keras.layers.Dropout(0.3, name=f"drop{i}")(y)
+        y = Replays(name=f"count{i}")(y) if count else y
+        h = keras.layers.Add(name=f"add{i}")([h, y])
+        if i < frozen_blocks:
+            frozen += [conv, norm]
+    out = keras.layers.Dense(2, name="head")(keras.layers.GlobalAveragePooling2D()(h))
+    model = keras.Model(x, out)
+    for layer in frozen:
+        layer.trainable = False
+    return model
+
+
+# The scripts' training step: one tf.function SGD step.
+STEP = textwrap.dedent("""
+    import json, os
+    import keras, tensorflow as tf
+    import tf_checkpointing as tc
+
+    from helpers import sgd_step as make_step  # tests/ is on the scripts' path
+""")
+
+
+def run_script(code):
+    """Runs ``code`` in a fresh process with the allocator's statistics on and
+    tests/ on its path; returns what it printed."""
+    env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="3")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests"),
+                                         env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=600, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout

@@ -4,11 +4,9 @@ and train exactly: the checkpointed run ends with the plain run's loss."""
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[1]
+from helpers import REPO
 
 
 def _run_example(name):

@@ -10,16 +10,15 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import tensorflow as tf
+from helpers import REPO
 
 from tf_checkpointing.core import _memory
 from tf_checkpointing.core._memory import MemoryStats, default_memory_device, measure
 
 MIB = 2**20
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _allocate_64_mib():

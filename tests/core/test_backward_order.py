@@ -15,19 +15,16 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 from conftest import compile_step
-from helpers import assert_all_close
+from helpers import REPO, assert_all_close
 
 from tf_checkpointing import checkpointable
 from tf_checkpointing.core._ordering import weight_gradients_first
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _stage(conv):

@@ -3,14 +3,12 @@
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import tensorflow as tf
+from helpers import REPO
 
 import tf_checkpointing
 from tf_checkpointing.__main__ import report
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def test_report_names_versions_devices_and_statistics():

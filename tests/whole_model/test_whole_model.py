@@ -12,36 +12,9 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import assert_all_close, grads_of
+from helpers import Replays, assert_all_close, grads_of, residual_net
 
 import tf_checkpointing as tc
-
-
-class Replays(keras.layers.Layer):
-    """Identity that counts how often it runs inside a replay."""
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.replays = 0
-
-    def call(self, x):
-        if tc.is_recomputing():
-            self.replays += 1
-        return x
-
-
-def residual_net(count=True):
-    x = keras.Input((8, 8, 3), name="image")
-    h = keras.layers.Conv2D(8, 3, padding="same", name="stem")(x)
-    for i in range(3):
-        y = keras.layers.Conv2D(8, 3, padding="same", name=f"conv{i}")(h)
-        y = keras.layers.BatchNormalization(name=f"bn{i}")(y)
-        y = keras.layers.Activation("relu", name=f"relu{i}")(y)
-        y = keras.layers.Dropout(0.3, name=f"drop{i}")(y)
-        y = Replays(name=f"count{i}")(y) if count else y
-        h = keras.layers.Add(name=f"add{i}")([h, y])
-    pooled = keras.layers.GlobalAveragePooling2D(name="pool")(h)
-    return keras.Model(x, keras.layers.Dense(2, name="head")(pooled), name="residual")
 
 
 def unet():

@@ -14,10 +14,7 @@ import keras
 import pytest
 import tensorflow as tf
 from conftest import compile_step
-from helpers import assert_all_close
-from test_whole_model import Replays
-from test_whole_model_memory import STEP
-from test_whole_model_memory import _run as run_script
+from helpers import STEP, Replays, assert_all_close, run_script
 
 import tf_checkpointing as tc
 from tf_checkpointing.planning import _chain

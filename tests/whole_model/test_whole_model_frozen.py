@@ -14,37 +14,11 @@ import warnings
 import keras
 import pytest
 import tensorflow as tf
-from helpers import assert_all_close, grads_of
-from test_whole_model import Replays
-from test_whole_model_memory import STEP
-from test_whole_model_memory import _run as run_script
+from helpers import STEP, assert_all_close, grads_of, partly_frozen, run_script
 
 import tf_checkpointing as tc
 from tf_checkpointing.planning._frozen import backprop_calls
 from tf_checkpointing.planning._graph import read_graph
-
-
-def partly_frozen(frozen_blocks=2, blocks=4, width=8, image=8, count=False):
-    """A residual conv net whose stem and first blocks are frozen (with ``count``,
-    each block counts its replays)."""
-    x = keras.Input((image, image, 3))
-    stem = keras.layers.Conv2D(width, 3, padding="same", name="stem")
-    h = stem(x)
-    frozen = [stem]
-    for i in range(blocks):
-        conv = keras.layers.Conv2D(width, 3, padding="same", name=f"conv{i}")
-        norm = keras.layers.BatchNormalization(name=f"bn{i}")
-        y = keras.layers.Activation("relu", name=f"relu{i}")(norm(conv(h)))
-        y = keras.layers.Dropout(0.3, name=f"drop{i}")(y)
-        y = Replays(name=f"count{i}")(y) if count else y
-        h = keras.layers.Add(name=f"add{i}")([h, y])
-        if i < frozen_blocks:
-            frozen += [conv, norm]
-    out = keras.layers.Dense(2, name="head")(keras.layers.GlobalAveragePooling2D()(h))
-    model = keras.Model(x, out)
-    for layer in frozen:
-        layer.trainable = False
-    return model
 
 
 def test_calls_backprop_reaches():
@@ -94,7 +68,7 @@ def test_regions_over_frozen_layers_equal_plain(mode):
 
 
 FROZEN = STEP + """
-from test_whole_model_frozen import partly_frozen
+from helpers import partly_frozen
 
 x = tf.random.normal([16, 32, 32, 3])
 
@@ -142,7 +116,7 @@ def test_a_frozen_backbone_is_planned_as_the_step_runs():
 
 
 MIXED_REGION = STEP + """
-from test_whole_model_frozen import partly_frozen
+from helpers import partly_frozen
 from tf_checkpointing.planning import ModelPlan
 
 x = tf.random.normal([16, 32, 32, 3])
@@ -183,7 +157,7 @@ cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
 import keras
 import tf_checkpointing as tc
-from test_whole_model_frozen import partly_frozen
+from helpers import partly_frozen
 
 strategy = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
 x = np.random.default_rng(0).random((16, 8, 8, 3), np.float32)

@@ -15,9 +15,9 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from helpers import REPO
+
 MIB = 2**20
 
 # A conv net with a MaxPool (whose XLA gradient keeps index tensors), then

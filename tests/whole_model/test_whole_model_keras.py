@@ -7,18 +7,14 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import assert_all_close, grads_of
-from test_whole_model import residual_net
+from helpers import REPO, assert_all_close, grads_of, residual_net
 
 import tf_checkpointing as tc
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -67,7 +63,7 @@ MIRRORED = textwrap.dedent("""
     import keras
     import tf_checkpointing as tc
     sys.path.insert(0, "tests")
-    from test_whole_model import residual_net
+    from helpers import residual_net
 
     x = np.random.default_rng(0).random((16, 8, 8, 3), np.float32)
     y = np.random.default_rng(1).random((16, 2), np.float32)

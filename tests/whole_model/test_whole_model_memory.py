@@ -14,20 +14,9 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[1]
-
-# The scripts' training step: one tf.function SGD step.
-STEP = textwrap.dedent("""
-    import json, os
-    import keras, tensorflow as tf
-    import tf_checkpointing as tc
-
-    from helpers import sgd_step as make_step  # tests/ is on the scripts' path
-""")
+from helpers import REPO, STEP, run_script
 
 SCRIPT = STEP + textwrap.dedent("""
     def make():
@@ -77,19 +66,9 @@ SCRIPT = STEP + textwrap.dedent("""
 """)
 
 
-def _run(code):
-    env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="3")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests"),
-                                         env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                          text=True, timeout=600, cwd=REPO)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
-
-
 @pytest.mark.slow
 def test_plans_keep_their_budget_and_the_least_beats_per_layer():
-    out = _run(SCRIPT)
+    out = run_script(SCRIPT)
     r = json.loads(out.split("RESULT", 1)[1])
     message = json.dumps({k: round(v / 2**20, 1) for k, v in r.items()})
     assert r["half_largest"] <= 1.05 * r["half_budget"], message
@@ -147,7 +126,7 @@ def test_a_region_with_only_integer_inputs_replays_when_its_gradient_arrives():
     # gradient, so the executor ran it as the backward began, holding its block's
     # activations on top of the others' backward: 13.7 MiB, against 9.7 MiB once
     # the replay waits for its gradient (one block keeps 4 MiB).
-    r = json.loads(_run(TOKENS_SCRIPT).split("RESULT", 1)[1])
+    r = json.loads(run_script(TOKENS_SCRIPT).split("RESULT", 1)[1])
     assert r["peak"] < 3 * r["block_kept"], {k: v / 2**20 for k, v in r.items()}
 
 
@@ -190,7 +169,7 @@ def test_a_region_replays_when_all_its_output_gradients_arrived():
     # output's gradient and ran during region b's replay, holding both blocks'
     # activations: 18.0 MiB, against 12.0 MiB once it waits for every gradient
     # (tensors of 2 MiB).
-    r = json.loads(_run(TWO_OUTPUTS_SCRIPT).split("RESULT", 1)[1])
+    r = json.loads(run_script(TWO_OUTPUTS_SCRIPT).split("RESULT", 1)[1])
     assert r["peak"] < 7.5 * r["tensor"], {k: v / 2**20 for k, v in r.items()}
 
 
@@ -237,7 +216,7 @@ def test_a_gradient_that_needs_no_replay_runs_no_backward():
     # replay wrote the BatchNorm statistics (then put back): writes must run, so
     # the replay ran, and with it every later layer's backward that feeds its
     # output gradient: 20.0 MiB, against 4.0 MiB plain (tensors of 2 MiB).
-    r = json.loads(_run(OUTPUT_GRADIENT_SCRIPT).split("RESULT", 1)[1])
+    r = json.loads(run_script(OUTPUT_GRADIENT_SCRIPT).split("RESULT", 1)[1])
     assert r["region"] < r["plain"] + r["tensor"], {k: v / 2**20 for k, v in r.items()}
 
 
@@ -277,7 +256,7 @@ def test_the_least_plan_predicts_its_tensors_where_batchnorm_backward_peaks():
     # (33.6 MB), so it is asserted not below the worst of twelve steps (the bug
     # was 13-19% below) and at most 25% above it (twelve steps may all have
     # taken the better order: 33.6 / 27.3 = 1.23).
-    r = json.loads(_run(BATCHNORM_REPLAY).split("RESULT", 1)[1])
+    r = json.loads(run_script(BATCHNORM_REPLAY).split("RESULT", 1)[1])
     worst = max(r["tensors"])
     assert 0.95 <= r["model"] / worst <= 1.25, r
 
@@ -310,7 +289,7 @@ def test_a_plan_counts_the_weight_an_update_copies():
     # of 5); now 6-8 (its profile's readings vary). Steps measure 8-12 MiB: how
     # many layers' gradients and copies overlap is the executor's choice, which
     # the planner does not model, so only the floor is asserted.
-    r = json.loads(_run(WEIGHTS_SCRIPT).split("RESULT", 1)[1])
+    r = json.loads(run_script(WEIGHTS_SCRIPT).split("RESULT", 1)[1])
     message = {k: round(v / 2**20, 2) for k, v in r.items()}
     assert r["predicted"] >= 1.5 * r["kernel"], message
     assert r["median"] >= 2 * r["kernel"], message  # the copy is there to count

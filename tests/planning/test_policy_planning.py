@@ -169,7 +169,7 @@ def test_a_plan_mixing_policies_gives_plain_gradients(mode):
     mixed = grads(lambda x: run_plan(blocks, MIXED, x, {"training": True}, routed))
     runs = [b.runs - r for b, r in zip(blocks, before)]
     # XLA fuses a replayed gelu and BatchNorm otherwise than the plain graph's (as for
-    # a full replay, tests/test_policies.py): float32 rounding, up to 1e-4 on
+    # a full replay, tests/core/test_policies.py): float32 rounding, up to 1e-4 on
     # gradients of magnitude up to ~400 (1e-6 of the largest).
     tolerance = dict(rtol=1e-4, atol=1e-3) if mode == "xla" else {}
     assert_all_close(mixed, plain, **tolerance)

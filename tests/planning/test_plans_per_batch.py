@@ -14,9 +14,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import assert_all_close
-from test_whole_model import residual_net
-from test_whole_model_frozen import partly_frozen
+from helpers import assert_all_close, partly_frozen, residual_net
 
 import tf_checkpointing as tc
 from tf_checkpointing import _graph_runner, _sequential_layer

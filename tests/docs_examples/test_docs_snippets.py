@@ -6,11 +6,10 @@ run alone; every other block runs here, each in fresh globals.
 """
 
 import re
-from pathlib import Path
 
 import pytest
+from helpers import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 READER_SUPPLIED = ("model", "dataset", "TransformerBlock", "build_model")
 BLOCK = re.compile(r"```python\n(.*?)```", re.DOTALL)
