@@ -74,7 +74,8 @@ def saved_residuals(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[R
 
     Args:
         fn: any function of tensors (a checkpointed one, a Keras layer or model).
-        *args, **kwargs: its arguments (tensors become the graph's inputs).
+        *args: its positional arguments (tensors become the graph's inputs).
+        **kwargs: its keyword arguments (tensors among them too).
 
     Returns:
         One :class:`Residual` per kept tensor, in the order the forward made them.
