@@ -1,0 +1,73 @@
+"""Plans that outlive the process: a plan's config is JSON, made again in another
+process, and a plan that no longer fits the model is refused, never applied."""
+
+import json
+import os
+import subprocess
+import sys
+
+import keras
+import pytest
+import tensorflow as tf
+from helpers import REPO, assert_all_close, grads_of, residual_net
+
+import tf_checkpointing as tc
+
+
+def test_a_plan_round_trips_through_json_with_its_policies():
+    keras.utils.set_random_seed(0)
+    model = residual_net(count=False)
+    names = list(tc.ModelPlan.from_regions(model, [["stem"]]).names)
+    plan = tc.ModelPlan.from_regions(
+        model, [names[1:5], names[6:9] + [names[9:11]]],
+        policies=[tc.policies.dots_saveable, tc.policies.save_only_these_names("a", "b")])
+    again = tc.ModelPlan.from_config(json.loads(json.dumps(plan.to_config())))
+    # A name policy is made again from its names (a new function, the same policy).
+    assert again.to_config() == plan.to_config() and str(again) == str(plan)
+    assert again.regions == plan.regions and again.regions[1][-1] == names[9:11]
+    assert again.pieces[1].policy is tc.policies.dots_saveable
+
+
+def test_a_plan_saved_in_one_process_trains_exactly_in_another(tmp_path):
+    keras.utils.set_random_seed(0)
+    model = residual_net(count=False)
+    x = tf.random.stateless_normal([4, 8, 8, 3], [0, 1])
+    plan = tc.plan_model(model, x, budget="min", mode="eager")
+    assert plan.regions
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan.to_config()))
+    script = f"""
+import json, keras, tensorflow as tf, tf_checkpointing as tc
+from helpers import residual_net
+keras.utils.set_random_seed(0)
+model = residual_net(count=False)
+plan = tc.ModelPlan.from_config(json.loads(open({str(path)!r}).read()))
+tc.apply_checkpointing(model, plan=plan)
+print("REGIONS", json.dumps(model.call.plan.regions))
+"""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]),
+               TF_CPP_MIN_LOG_LEVEL="3")
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.split("REGIONS", 1)[1]) == plan.regions
+    # In this process too: the loaded plan gives the plain model's gradients.
+    keras.utils.set_random_seed(0)
+    twin = residual_net(count=False)
+    expected = grads_of(lambda x: twin(x, training=False), [x], twin.trainable_variables,
+                        "eager")
+    tc.apply_checkpointing(model, plan=tc.ModelPlan.from_config(json.loads(path.read_text())))
+    got = grads_of(lambda x: model(x, training=False), [x], model.trainable_variables, "eager")
+    assert_all_close(got, expected)
+
+
+def test_a_plan_that_no_longer_fits_the_model_is_refused():
+    keras.utils.set_random_seed(0)
+    model = residual_net(count=False)
+    config = tc.plan_model(model, tf.random.normal([4, 8, 8, 3]), budget="min",
+                           mode="eager").to_config()
+    x = keras.Input((8, 8, 3))
+    h = keras.layers.Conv2D(16, 3, padding="same", name="stem")(x)  # 16 filters, not 8
+    changed = keras.Model(x, keras.layers.Dense(2)(keras.layers.GlobalAveragePooling2D()(h)))
+    with pytest.raises(ValueError, match=r"argument `plan` was made for another model"):
+        tc.apply_checkpointing(changed, plan=tc.ModelPlan.from_config(config))
