@@ -2,7 +2,9 @@
 start-up, and where results go (an ignored directory unless asked otherwise).
 
 Import this module before TensorFlow: it sets the environment TensorFlow reads
-once, when it starts.
+once, when it starts. A script in a family's folder (`benchmarks/chain/core.py`)
+puts the repository on `sys.path` first, so that it runs as `python
+benchmarks/chain/core.py` as well as `python -m benchmarks.chain.core`.
 """
 
 from __future__ import annotations
@@ -25,9 +27,9 @@ os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # no INFO/WARNING/ERROR C++ logs
 # TensorFlow 2.21 on Linux turns oneDNN on by default only on CPUs with AVX-512 VNNI/BF16,
 # AVX-VNNI or AMX, and oneDNN's convolution and BatchNorm kernels use far less memory than
-# Eigen's: the quick U-Net's plain peak is 47 MiB with oneDNN, 112-118 MiB without
-# (measured on an AVX2-only host). Pinned, so peaks do not depend on the host's CPU; the
-# committed results were measured with oneDNN on. TF_ENABLE_ONEDNN_OPTS=0 turns it off.
+# Eigen's (the U-Net's peaks: docs/benchmarks.md, Environment). Pinned, so peaks do not
+# depend on the host's CPU; the committed results were measured with oneDNN on.
+# TF_ENABLE_ONEDNN_OPTS=0 turns it off.
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 
 # Lines TensorFlow's native libraries print while they load, before their logging is
@@ -70,6 +72,13 @@ def add_output_arguments(parser: ArgumentParser) -> None:
     parser.add_argument("--update-results", action="store_true",
                         help=f"write to {COMMITTED.relative_to(REPO)}/, the committed "
                              "results README.md and docs/ quote (maintainers, after a change)")
+
+
+def add_rerender_argument(parser: ArgumentParser) -> None:
+    parser.add_argument("--rerender", type=Path, metavar="JSON",
+                        help="write the Markdown table (and plot) of a finished run again "
+                             "from its JSON, beside it, without measuring (after a change "
+                             "to how results are presented)")
 
 
 def output_dir(args: Namespace) -> Path:

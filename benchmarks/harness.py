@@ -13,7 +13,7 @@ forward and backward under a `tf.GradientTape`, on the same batch:
    update; dropout seed states must be equal). This call also traces / compiles.
 2. timing: `repeats` rounds; in each round every strategy runs one step, in turn,
    so that load from other processes hits all strategies alike. Each step is timed
-   and its peak memory read with `tf_checkpointing._memory.measure`. Reported:
+   and its peak memory read with `tf_checkpointing.measure`. Reported:
    median time, median peak (peaks scatter by a few MiB from step to step because
    independent ops run in parallel in varying order), and the time ratio to plain as the median over
    rounds of (this step / plain's step in the same round), with its quartiles.
@@ -47,15 +47,17 @@ import tensorflow as tf
 
 from benchmarks.models import Workload
 from benchmarks.strategies import STRATEGIES
-from tf_checkpointing import ChainedOutputWarning
-from tf_checkpointing._memory import grow_cpu_pool, measure
+from tf_checkpointing import ChainedOutputWarning, measure
+from tf_checkpointing.core._memory import grow_cpu_pool
 
 # The U-Net's down blocks return (pooled, skip) with pooled computed from skip. The
 # benchmark takes gradients for the weights only, never for a block's output, so the
 # warning about gradients with respect to such an output does not apply here.
 warnings.filterwarnings("ignore", category=ChainedOutputWarning)
 
-MODES = ("eager", "function", "xla")
+# As the library names them (plan_sequential's `mode`): eager steps, tf.function steps
+# ("graph") and tf.function(jit_compile=True) steps ("xla").
+MODES = ("eager", "graph", "xla")
 _SEED_STATE = "seed_generator_state"
 _ERROR_FLOOR = 1e-3
 _BATCH_FIT_STEPS = 3
@@ -102,6 +104,14 @@ class RunResult:
         out["peak_bytes"] = self.peak_bytes
         out["batch_peaks"] = {str(k): v for k, v in self.batch_peaks.items()}
         return out
+
+    @classmethod
+    def from_dict(cls, row: dict[str, Any]) -> RunResult:
+        """A run read back from its JSON (the inverse of `as_dict`)."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in row.items() if k in fields}
+        kwargs["batch_peaks"] = {int(k): v for k, v in kwargs.get("batch_peaks", {}).items()}
+        return cls(**kwargs)
 
 
 def make_step(workload: Workload, chain: Callable[[Any], Any], mode: str) -> Callable:

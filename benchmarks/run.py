@@ -4,13 +4,15 @@ gradient checkpointing strategies on three Keras models, in eager, tf.function a
 Usage:
     python benchmarks/run.py                    # --quick: small shapes, ~2 min on 2 cores
     python benchmarks/run.py --full             # larger shapes, every mode
-    python benchmarks/run.py --models gpt2 --modes function,xla --strategies plain,checkpointable
+    python benchmarks/run.py --models gpt2 --modes graph,xla --strategies plain,checkpointable
     python benchmarks/run.py --tiny --out /tmp/bench   # what the tests run
+    python benchmarks/run.py --rerender benchmarks/results/quick.json   # no measuring
 
 Writes `<size>.md`, `<size>.json` and `<size>.png` to --out (default
 benchmarks/results/latest/, ignored by git; --update-results writes the committed
 benchmarks/results/ instead; --name changes the file name) and prints the Markdown
-table. See benchmarks/README.md.
+table. Modes: "eager", "graph" (tf.function) and "xla" (tf.function(jit_compile=True)),
+as the library names them. See benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -35,19 +37,18 @@ with _cli.quiet_start_up():
     import tensorflow as tf  # noqa: E402
     from tqdm import tqdm  # noqa: E402
 
-    from benchmarks import harness, models, report  # noqa: E402
+    from benchmarks import harness, models, report, run_report  # noqa: E402
     from benchmarks.strategies import POLICIES, STRATEGIES  # noqa: E402
 
 # What each size runs unless --models / --modes say otherwise. Tracing and graph
 # optimisation, not the steps, dominate the quick run: 10-15 s per strategy for the
 # 12-block decoder under tf.function on 2 shared cores; XLA compiles every step again.
-# So --quick runs XLA nowhere (benchmarks/core.py covers XLA on the Dense chain) and
-# --full runs every mode on every model.
+# So --quick runs XLA nowhere (benchmarks/chain/core.py covers XLA on the Dense chain)
+# and --full runs every mode on every model.
 DEFAULT_MODES: dict[str, dict[str, tuple[str, ...]]] = {
-    "tiny": {"mlp": ("eager", "function", "xla"), "gpt2": ("function",),
-             "unet": ("function",)},
-    # (eager mode's peaks and times per layer: benchmarks/core.py, on the same Dense chain)
-    "quick": {"mlp": ("function",), "gpt2": ("function",), "unet": ("function",)},
+    "tiny": {"mlp": ("eager", "graph", "xla"), "gpt2": ("graph",), "unet": ("graph",)},
+    # (eager mode's peaks and times per layer: benchmarks/chain/core.py, a Dense chain)
+    "quick": {"mlp": ("graph",), "gpt2": ("graph",), "unet": ("graph",)},
     "full": {m: harness.MODES for m in models.MODELS},
 }
 # keras.remat is tf.recompute_grad on the TensorFlow backend (keras/src/backend/
@@ -55,7 +56,7 @@ DEFAULT_MODES: dict[str, dict[str, tuple[str, ...]]] = {
 # tracing for the decoder, so --quick leaves it to --full and --strategies.
 # The save policies run with --full and --strategies (results: benchmarks/results/
 # policies_*), as in
-# `python benchmarks/run.py --models gpt2 --modes function,xla --name policies
+# `python benchmarks/run.py --models gpt2 --modes graph,xla --name policies
 # --strategies plain,checkpointable,dots_saveable,dots_no_batch,qkv_mlp_out,attn_mlp_out`.
 # The plans at half of plain's peak time every block with every policy: --strategies.
 _PLANNED_POLICIES = ("policy_plan", "budget_replay", "budget_policies")
@@ -112,6 +113,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     _cli.add_output_arguments(parser)
     parser.add_argument("--name", help="output file name without extension (default: the "
                         "size: quick, full or tiny)")
+    _cli.add_rerender_argument(parser)
     return parser.parse_args(argv)
 
 
@@ -138,6 +140,9 @@ def _advance(bar: tqdm) -> Callable[[str], None]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.rerender:
+        print("Wrote", *(_shown(p) for p in run_report.rerender(args.rerender)))
+        return 0
     repeats = args.repeats or DEFAULT_REPEATS[args.size]
     model_names = args.models or list(models.MODELS)
     strategy_names = ["plain"] + [s for s in (args.strategies or DEFAULT_STRATEGIES[args.size])
@@ -171,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         for mode in modes:
             bar.set_description(f"{model_name}/{mode}")
             group_started = time.perf_counter()
-            is_target = (model_name, mode) == (report.TARGET_MODEL, report.TARGET_MODE)
+            is_target = (model_name, mode) == (run_report.TARGET_MODEL,
+                                               run_report.TARGET_MODE)
             group = harness.run_group(
                 workload, mode, strategy_names,
                 repeats=max(repeats, TARGET_REPEATS) if is_target else repeats,
@@ -187,14 +193,14 @@ def main(argv: list[str] | None = None) -> int:
                       file=sys.stderr, flush=True)
         del workload
     bar.close()
-    checks = report.check_targets(results)
+    checks = run_report.check_targets(results)
     header["wall_time_s"] = time.perf_counter() - _STARTED
     header["cpu_time_s"] = sum(os.times()[:2])  # user + system of this process
-    text = report.markdown_report(results, checks, header)
+    text = run_report.markdown_report(results, checks, header)
     payload = dict(header=header, environment=report.environment(), configs=configs,
                    results=[r.as_dict() for r in results], targets=checks)
-    paths = report.write_outputs(_cli.output_dir(args), args.name or args.size, text, payload,
-                                 results)
+    paths = run_report.write_outputs(_cli.output_dir(args), args.name or args.size, text,
+                                     payload, results)
     print(text)
     print(f"Total time {time.perf_counter() - _STARTED:.1f} s (TensorFlow import "
           f"{header['tf_import_s']:.1f} s; CPU time {sum(os.times()[:2]):.0f} s; load average "

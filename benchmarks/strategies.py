@@ -17,8 +17,11 @@
                      output (`checkpoint_name(..., "mlp_out")` in the decoder block)
     attn_mlp_out     keeps the named attention output and MLP output
                      (`policies.save_only_these_names("attention_out", "mlp_out")`)
-    policy_plan      `planning.plan_policies`: per block plain, dots_saveable or a full
-                     replay, for half of plain's peak
+    policy_plan      `CheckpointedSequential(blocks, budget=..., policies=[dots_saveable])`
+                     for half of plain's peak: per block plain, dots_saveable or a full
+                     replay (alone or in a segment). Until the library dropped
+                     `planning.plan_policies`, this strategy was that per-block planner
+                     (its committed results: results/policy_choice_gpt2.*, policies_gpt2.*)
     budget_replay    `CheckpointedSequential(blocks, budget=...)` for half of plain's peak:
                      plain blocks and (nested) full-replay segments
     budget_policies  the same with `policies="auto"`: per block also dots_saveable or
@@ -26,9 +29,9 @@
 
 `tf.recompute_grad` accepts keyword arguments only in eager mode, so for the two
 peers `training=True` is closed over and the state's tensors are passed positionally:
-their best use, not a strawman. The last two strategies need the chain API; where
-`tf_checkpointing` does not export it yet, `unavailable_reason` says so and the run
-skips them. A chain may carry a `note` (the budget plan describes its schedule).
+their best use, not a strawman. A strategy whose API `tf_checkpointing` does not
+export is skipped (`unavailable_reason` says why). A chain may carry a `note` (the
+budget plan describes its schedule).
 
 Example:
     >>> import keras, tensorflow as tf
@@ -161,42 +164,27 @@ POLICIES: dict[str, Callable[[], Any]] = _policies()
 POLICY_PLAN_FRACTION = 0.5
 
 
-def _policy_plan(blocks: list, options: dict) -> Chain:
-    """`plan_policies`: per block plain, dots_saveable or a full replay, for half of
-    plain's measured peak (the chain's share of it: the stem and head's part of
-    plain's peak, measured, is taken off the budget)."""
-    from tf_checkpointing.planning import plan_policies
-
-    measured = plan_policies(blocks, options["sample_state"], budget=2**50, training=True)
-    wanted = int(POLICY_PLAN_FRACTION * options["plain_peak_bytes"])
-    outside = options["plain_peak_bytes"] - measured.plain_peak_bytes
-    least = int(1.02 * measured.least_budget_bytes)  # as _budget_plan: raised, and said
-    plan = measured.replan(max(wanted - outside, least))
-    raised = " (raised to the planner's least)" if least > wanted - outside else ""
-    chain = _plain(plan.wrap(blocks), options)
-    chain.note = f"{plan} for {wanted / 2**20:.1f} MiB{raised}"  # type: ignore[attr-defined]
-    return chain
-
-
 def _half_budget(policies: Any) -> Callable[[list, dict], Chain]:
     """`CheckpointedSequential(blocks, budget=..., policies=...)` for half of plain's
-    measured peak, the chain's share (as `_policy_plan`: the stem and head's part of
-    plain's peak is taken off), planned on its first call in the step's mode."""
+    measured peak, the chain's share (the stem and head's part of plain's peak is taken
+    off), planned on its first call in the step's mode. `policies`: None, "auto", or
+    names of save policies in POLICIES."""
 
     def build(blocks: list, options: dict) -> Chain:
         import tf_checkpointing
 
         mode = options.get("mode", "eager")
-        plan_mode = {"eager": "eager", "function": "graph"}.get(mode, mode)
+        choice = ([POLICIES[name]() for name in policies]
+                  if isinstance(policies, tuple) else policies)
         roomy = tf_checkpointing.plan_sequential(  # the chain's plain peak, measured
-            blocks, options["sample_state"], budget=2**50, mode=plan_mode, training=True)
+            blocks, options["sample_state"], budget=2**50, mode=mode, training=True)
         wanted = int(POLICY_PLAN_FRACTION * options["plain_peak_bytes"])
         # The stem and head's share (never negative: the chain's profile may read a
         # little more than the whole step's plain peak).
         outside = max(options["plain_peak_bytes"] - roomy.plain_peak_bytes, 0)
         budget = max(wanted - outside, int(1.02 * (roomy.min_budget_bytes or 0)))
         sequential = tf_checkpointing.CheckpointedSequential(blocks, budget=budget,
-                                                             policies=policies)
+                                                             policies=choice)
 
         def chain(state: Any) -> Any:
             return sequential(state, training=True)
@@ -228,7 +216,7 @@ def _budget_plan(blocks: list, options: dict) -> Chain:
     """`CheckpointedSequential(blocks, budget=...)`, planned now on the base batch.
 
     It is planned for the mode the step runs in (its first call is traced in a
-    tf.function for "function", with jit_compile=True for "xla", so it plans for
+    tf.function for "graph", with jit_compile=True for "xla", so it plans for
     what a graph, or XLA, keeps).
     The layer form plans once, on its first call with fully known shapes, and keeps
     the plan for other batch sizes; `checkpoint_sequential(budget=...)` re-plans per
@@ -256,10 +244,8 @@ def _budget_plan(blocks: list, options: dict) -> Chain:
         return sequential
 
     wanted = options["plan_budget_bytes"]
-    step_mode = options.get("mode", "eager")
-    plan_mode = "graph" if step_mode == "function" else step_mode  # "eager" or "xla"
     least = tf_checkpointing.plan_sequential(  # the same profile the layer's call finds
-        blocks, options["sample_state"], budget=2**50, mode=plan_mode,
+        blocks, options["sample_state"], budget=2**50, mode=options.get("mode", "eager"),
         training=True).min_budget_bytes or 0
     sequential = planned(max(wanted, least))
     plan = sequential.plan
@@ -295,8 +281,10 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
              needs="CheckpointedSequential"),
     *(Strategy(name, f"checkpointable per block, policy {name}", _with_policy(name),
                needs="policies") for name in POLICIES),
-    Strategy("policy_plan", "plan_policies(budget=plain/2): plain, dots or replay per block",
-             _policy_plan, needs="policies"),
+    Strategy("policy_plan",
+             "CheckpointedSequential(budget=plain/2, policies=[dots_saveable]): plain, dots "
+             "or replay per block", _half_budget(("dots_saveable",)),
+             needs="CheckpointedSequential"),
     Strategy("budget_replay", "CheckpointedSequential(budget=plain/2)", _half_budget(None),
              needs="CheckpointedSequential"),
     Strategy("budget_policies", "CheckpointedSequential(budget=plain/2, policies='auto')",

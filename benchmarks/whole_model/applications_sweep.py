@@ -1,12 +1,14 @@
 """Adoption sweep: ``apply_checkpointing``'s planner on ``keras.applications`` models
 that the whole-model benchmark does not tune for.
 
-    python benchmarks/applications_sweep.py                       # every model, tf.function
-    python benchmarks/applications_sweep.py --models ResNet50V2,MobileNet --modes graph,xla
+    python benchmarks/whole_model/applications_sweep.py        # every model, tf.function
+    python benchmarks/whole_model/applications_sweep.py --models MobileNet --modes graph,xla
+    python benchmarks/whole_model/applications_sweep.py --tiny --out /tmp/sweep   # smoke test
 
 Each model is built from its constructor (``weights=None``, 96x96, 10 classes, batch
-8), every process growing its CPU pool first (``_memory.grow_cpu_pool``: one region,
-as a GPU's pool is). Per model:
+8), every process growing its CPU pool first
+(``tf_checkpointing.core._memory.grow_cpu_pool``: one region, as a GPU's pool is). Per
+model and mode ("graph": a ``tf.function`` step; "xla": ``jit_compile=True``):
 
 * one process checks exactness: the least plan (``budget="min"``) and a budget halfway
   between the least and plain, each made with ``plan_model`` and applied, against
@@ -24,7 +26,13 @@ as a GPU's pool is). Per model:
   (above what was allocated before the step). The plan made there gives the
   prediction; "peak" is the median step, the budget check takes the largest.
 
-Writes ``applications_sweep.json`` and ``.md`` to the output directory.
+Writes ``applications_sweep.json`` and ``.md`` to the output directory. ``--tiny``
+runs one small model on 32x32 images, batch 2, two steps after the planning one: the
+whole path (five processes) in about a minute.
+
+Each worker (``--worker``, ``--fit``) runs in a process of its own and imports
+TensorFlow inside its function; the parent process only starts them and writes the
+table.
 """
 
 from __future__ import annotations
@@ -37,26 +45,31 @@ import time
 from pathlib import Path
 from typing import Any
 
-_REPO = Path(__file__).resolve().parents[1]
-if str(_REPO) not in sys.path:
+_REPO = Path(__file__).resolve().parents[2]
+if str(_REPO) not in sys.path:  # run as a script: the repository holds `benchmarks`
     sys.path.insert(0, str(_REPO))
 
 from benchmarks import _cli  # noqa: E402 - TensorFlow's environment, before it starts
+from benchmarks.report import MIB, table  # noqa: E402
 
 MODELS = ("MobileNetV3Small", "MobileNet", "EfficientNetV2B0", "ResNet50V2", "InceptionV3",
           "Xception", "ConvNeXtTiny", "DenseNet121", "VGG16")
-MIB = 2**20
-FIT_STEPS = 7  # steps measured after the first (which plans)
+# Image size, batch and steps measured after the first (which plans): the committed
+# run's, and what --tiny runs (on TINY_MODELS) unless given.
+SHAPES = {"full": dict(size=96, batch=8, fit_steps=7),
+          "tiny": dict(size=32, batch=2, fit_steps=2)}
+TINY_MODELS = "VGG16"  # the fewest layers to plan: the quickest to run
 
 
 def worker(name: str, mode: str, size: int, batch: int) -> dict:
     """Exactness and planning time: the least and halfway plans against plain."""
-    import keras
-    import numpy as np
-    import tensorflow as tf
+    with _cli.quiet_start_up():
+        import keras
+        import numpy as np
+        import tensorflow as tf
 
-    import tf_checkpointing as tc
-    from tf_checkpointing._memory import grow_cpu_pool
+        import tf_checkpointing as tc
+        from tf_checkpointing.core._memory import grow_cpu_pool
 
     grow_cpu_pool()
     keras.utils.set_random_seed(0)
@@ -107,7 +120,7 @@ def worker(name: str, mode: str, size: int, batch: int) -> dict:
         state_error = max(((np.abs(a - b) / (1e-5 + 1e-5 * np.abs(b))).max()
                            for a, b in zip(state, plain_state) if a.size), default=0.0)
         row[tag] = dict(
-            plan_s=planned, regions=len(plan.spans),
+            plan_s=planned, regions=len(plan.regions),
             grad_error_x_rounding=max_error(grads, plain_grads) / max(rounding, 1e-30),
             state_error_x_tolerance=float(state_error))
         return plan
@@ -118,16 +131,18 @@ def worker(name: str, mode: str, size: int, batch: int) -> dict:
     return row
 
 
-def fit_worker(name: str, mode: str, size: int, batch: int, budget: str) -> dict:
+def fit_worker(name: str, mode: str, size: int, batch: int, budget: str,
+               fit_steps: int) -> dict:
     """As a user trains: ``apply_checkpointing(model, budget=...)`` (none for
     ``"plain"``), ``compile``, ``fit``, which plans on its first step; the
     allocator's peak of each later step, read by a callback."""
-    import keras
-    import numpy as np
-    import tensorflow as tf
+    with _cli.quiet_start_up():
+        import keras
+        import numpy as np
+        import tensorflow as tf
 
-    import tf_checkpointing as tc
-    from tf_checkpointing._memory import grow_cpu_pool
+        import tf_checkpointing as tc
+        from tf_checkpointing.core._memory import grow_cpu_pool
 
     grow_cpu_pool()
     keras.utils.set_random_seed(0)
@@ -137,7 +152,7 @@ def fit_worker(name: str, mode: str, size: int, batch: int, budget: str) -> dict
         tc.apply_checkpointing(model, budget="min" if budget == "min" else int(budget))
     model.compile(keras.optimizers.SGD(0.01), "sparse_categorical_crossentropy",
                   jit_compile=mode == "xla")
-    steps = 1 + FIT_STEPS
+    steps = 1 + fit_steps
     x = np.random.default_rng(0).random((batch * steps, size, size, 3), np.float32)
     y = np.arange(batch * steps) % 10
     peaks: list[float] = []
@@ -166,37 +181,41 @@ def fit_worker(name: str, mode: str, size: int, batch: int, budget: str) -> dict
     return row
 
 
-def table(rows: list[dict]) -> str:
-    lines = ["| model | mode | plain MiB | least: peak x plain | least: largest step / least "
-             "budget | least: peak / predicted | halfway: budget MiB | halfway: largest step "
-             "/ budget | halfway: peak / predicted | grad error x plain's rounding | "
-             "BatchNorm stats within 1e-5 | planning s (least) |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
-    for r in rows:
+def markdown_table(rows: list[dict]) -> str:
+    def cells(r: dict) -> list[str]:
         plain, least, half = r["fit"]["plain"], r["fit"]["least"], r["fit"]["halfway"]
         state_ok = max(r["least"]["state_error_x_tolerance"],
                        r["halfway"]["state_error_x_tolerance"]) <= 1
         grad_error = max(r["least"]["grad_error_x_rounding"],
                          r["halfway"]["grad_error_x_rounding"])
-        lines.append(
-            f"| {r['model']} | {r['mode']} | {plain['peak_mib']:.1f} | "
-            f"{least['peak_mib'] / plain['peak_mib']:.2f} | "
-            f"{least['max_mib'] / least['least_budget_mib']:.2f} | "
-            f"{least['peak_mib'] / least['predicted_mib']:.2f} | "
-            f"{half['budget_mib']:.1f} | {half['max_mib'] / half['budget_mib']:.2f} | "
-            f"{half['peak_mib'] / half['predicted_mib']:.2f} | {grad_error:.1f} | "
-            f"{'yes' if state_ok else 'NO'} | {r['least']['plan_s']:.0f} |")
-    return "\n".join(lines) + "\n"
+        return [r["model"], r["mode"], f"{plain['peak_mib']:.1f}",
+                f"{least['peak_mib'] / plain['peak_mib']:.2f}",
+                f"{least['max_mib'] / least['least_budget_mib']:.2f}",
+                f"{least['peak_mib'] / least['predicted_mib']:.2f}",
+                f"{half['budget_mib']:.1f}", f"{half['max_mib'] / half['budget_mib']:.2f}",
+                f"{half['peak_mib'] / half['predicted_mib']:.2f}", f"{grad_error:.1f}",
+                "yes" if state_ok else "NO", f"{r['least']['plan_s']:.0f}"]
+
+    return table(
+        ["model", "mode", "plain MiB", "least: peak x plain",
+         "least: largest step / least budget", "least: peak / predicted",
+         "halfway: budget MiB", "halfway: largest step / budget", "halfway: peak / predicted",
+         "grad error x plain's rounding", "BatchNorm stats within 1e-5",
+         "planning s (least)"], (cells(r) for r in rows),
+        align=["---", "---"] + ["---:"] * 8 + ["---", "---:"]) + "\n"
 
 
 def report(rows: list[dict]) -> str:
     """The table under a heading that says what was run (see the module docstring)."""
-    shape = f"{rows[0]['size']}x{rows[0]['size']}, batch {rows[0]['batch']}" if rows else ""
+    shape = ""
+    if rows:
+        first = rows[0]
+        shape = (f"{first['size']}x{first['size']}, batch {first['batch']}, 10 classes; each "
+                 f"plan trained with `fit` (SGD) in a fresh process, "
+                 f"{len(first['fit']['plain']['peaks_mib'])} steps after the planning one")
     return ("# Adoption sweep: keras.applications models\n\n"
-            f"weights=None, {shape}, 10 classes; each plan trained with `fit` (SGD) in a "
-            f"fresh process, {FIT_STEPS} steps after the planning one; peak = median step, "
-            "largest = highest. See docs/whole-model.md, \"Beyond the benchmark's "
-            "models\".\n\n" + table(rows))
+            f"weights=None, {shape}; peak = median step, largest = highest. See "
+            "docs/whole-model.md, \"Beyond the benchmark's models\".\n\n" + markdown_table(rows))
 
 
 def _run(*arguments: str) -> dict:
@@ -209,32 +228,49 @@ def _run(*arguments: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--tiny", action="store_true",
+                        help=f"{TINY_MODELS} (unless --models) at {SHAPES['tiny']}")
+    parser.add_argument("--models", help=f"comma-separated (default: {','.join(MODELS)})")
     parser.add_argument("--modes", default="graph", help="graph, xla or both (comma-separated)")
-    parser.add_argument("--size", type=int, default=96)
-    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--size", type=int, help="image size (default 96)")
+    parser.add_argument("--batch", type=int, help="batch (default 8)")
+    parser.add_argument("--fit-steps", type=int, help="steps measured after the planning one "
+                        "(default 7)")
     parser.add_argument("--worker", nargs=2, metavar=("MODEL", "MODE"), help=argparse.SUPPRESS)
     parser.add_argument("--fit", nargs=3, metavar=("MODEL", "MODE", "BUDGET"),
                         help=argparse.SUPPRESS)
     _cli.add_output_arguments(parser)
+    _cli.add_rerender_argument(parser)
     args = parser.parse_args()
+    if args.rerender:
+        path = args.rerender.with_suffix(".md")
+        path.write_text(report(json.loads(args.rerender.read_text())))
+        print(f"Wrote {path}.")
+        return
+    for name, default in SHAPES["tiny" if args.tiny else "full"].items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    args.models = args.models or (TINY_MODELS if args.tiny else ",".join(MODELS))
     shape = ("--size", str(args.size), "--batch", str(args.batch))
     if args.worker:
         print(json.dumps(worker(*args.worker, args.size, args.batch)))
         return
     if args.fit:
-        print(json.dumps(fit_worker(*args.fit[:2], args.size, args.batch, args.fit[2])))
+        print(json.dumps(fit_worker(*args.fit[:2], args.size, args.batch, args.fit[2],
+                                    args.fit_steps)))
         return
-    rows = []
+    rows, failed = [], 0
     for name in args.models.split(","):
         for mode in args.modes.split(","):
             try:
                 row = _run("--worker", name, mode, *shape)
-                row["fit"] = {tag: _run("--fit", name, mode, budget, *shape) for tag, budget in
-                              (("plain", "plain"), ("least", "min"),
-                               ("halfway", str(row["halfway_budget"])))}
-            except RuntimeError as error:
+                row["fit"] = {tag: _run("--fit", name, mode, budget, *shape, "--fit-steps",
+                                        str(args.fit_steps))
+                              for tag, budget in (("plain", "plain"), ("least", "min"),
+                                                  ("halfway", str(row["halfway_budget"])))}
+            except RuntimeError as error:  # reported; the sweep goes on
                 print(error, file=sys.stderr)
+                failed += 1
                 continue
             rows.append(row)
             print(json.dumps(rows[-1]), flush=True)
@@ -242,7 +278,9 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "applications_sweep.json").write_text(json.dumps(rows, indent=1) + "\n")
     (out / "applications_sweep.md").write_text(report(rows))
-    print(table(rows))
+    print(markdown_table(rows))
+    if failed:
+        sys.exit(f"{failed} of {failed + len(rows)} runs failed (their errors are above)")
 
 
 if __name__ == "__main__":

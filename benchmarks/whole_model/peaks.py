@@ -11,11 +11,17 @@ is built again (same seed, same layer names), the strategy applied (a plan
 made in the benchmark's process is passed as its regions), one step traced,
 and the peaks of the next steps read.
 
-    python benchmarks/whole_model_peaks.py unet '{"batch": 8, "steps": 5}'   # plain, 5 peaks (MiB)
+    python benchmarks/whole_model/peaks.py unet '{"batch": 8, "steps": 5}'   # plain, 5 peaks (MiB)
+    python benchmarks/whole_model/peaks.py unet '{"batch": 2, "steps": 1}' --tiny
+
+`run.py`'s worker calls :func:`fresh_peaks`, which runs this module as a script.
+TensorFlow is imported in `main` and `_apply`, which run in that script's process:
+`run.py`'s parent process imports this module without loading it.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -23,26 +29,20 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-_REPO = Path(__file__).resolve().parents[1]
-if str(_REPO) not in sys.path:
+_REPO = Path(__file__).resolve().parents[2]
+if str(_REPO) not in sys.path:  # run as a script: the repository holds `benchmarks`
     sys.path.insert(0, str(_REPO))
 
-from benchmarks import _cli  # noqa: E402,F401  (environment before TensorFlow starts)
-
-MIB = 2**20
-
-
-def plan_spec(plan: Any) -> dict:
-    """The parts of a ``ModelPlan`` a fresh process needs to run it (JSON)."""
-    return dict(call_names=list(plan.call_names), spans=plan.spans, mode=plan.mode,
-                policies=[None if p is None else p.__name__ for p in plan.region_policies])
+from benchmarks import _cli  # noqa: E402  (environment before TensorFlow starts)
+from benchmarks.report import MIB  # noqa: E402
+from benchmarks.whole_model.models import MODELS, build, training_step  # noqa: E402
 
 
 def fresh_peaks(model: str, tiny: bool, spec: dict, steps: int,
                 tensors: bool = False) -> list[float]:
     """Peaks (MiB) of ``steps`` training steps of ``model`` run as ``spec`` says, in a
     new process: ``batch``, ``jit``, and at most one of ``select`` (a layer class
-    name, or ``"every"``), ``plan`` (from :func:`plan_spec`) and ``budget``. With
+    name, or ``"every"``), ``plan`` (a ``ModelPlan.to_config()``) and ``budget``. With
     ``tensors``, one more step is traced and the peak of its tensors (requested
     bytes, see ``tf_checkpointing.planning._requested``) is appended."""
     command = [sys.executable, __file__, model, json.dumps(dict(spec, steps=steps,
@@ -58,36 +58,31 @@ def _apply(model: Any, spec: dict) -> None:
     import keras
 
     import tf_checkpointing as tc
-    from tf_checkpointing import policies
-    from tf_checkpointing.planning._model import ModelPlan
 
     if spec.get("select") == "every":
         tc.apply_checkpointing(model, lambda layer: not isinstance(layer, keras.layers.InputLayer))
     elif spec.get("select"):
         tc.apply_checkpointing(model, [getattr(keras.layers, spec["select"])])
     elif spec.get("plan"):
-        given = spec["plan"]
-        plan = ModelPlan(tuple(given["call_names"]), _tuples(given["spans"]), given["mode"],
-                         None, 0, 0, 0, region_policies=tuple(
-                             None if p is None else getattr(policies, p)
-                             for p in given["policies"]))
-        tc.apply_checkpointing(model, plan=plan)
+        tc.apply_checkpointing(model, plan=tc.ModelPlan.from_config(spec["plan"]))
     elif spec.get("budget"):
         tc.apply_checkpointing(model, budget=spec["budget"])
 
 
-def _tuples(spans: Any) -> tuple:
-    return tuple((a, c, _tuples(inner)) for a, c, inner in spans)
-
-
 def main(argv: Optional[list[str]] = None) -> None:
-    args = sys.argv[1:] if argv is None else argv
-    model_name, spec, tiny = args[0], json.loads(args[1]), "--tiny" in args
-    import keras
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("model", choices=MODELS)
+    parser.add_argument("spec", type=json.loads, help='JSON: "batch", "steps", and "jit", '
+                        '"select", "plan", "budget", "tensors" (see fresh_peaks)')
+    parser.add_argument("--tiny", action="store_true", help="the model's small shapes")
+    args = parser.parse_args(argv)
+    model_name, spec, tiny = args.model, args.spec, args.tiny
+    with _cli.quiet_start_up():
+        import keras
 
-    import tf_checkpointing as tc
-    from benchmarks.whole_model import build, training_step
-    from tf_checkpointing._memory import grow_cpu_pool
+        import tf_checkpointing as tc
+        from tf_checkpointing.core._memory import grow_cpu_pool
+        from tf_checkpointing.planning._requested import requested_peak
 
     grow_cpu_pool()  # as the benchmark's process: XLA's buffer counted at its size
     model, batch_of, _, _ = build(model_name, tiny)
@@ -96,10 +91,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     _apply(model, spec)
     step = training_step(model, keras.optimizers.SGD(1e-3), spec.get("jit", False))
     step(x).numpy()  # trace (and plan) outside the measurement
-    peaks = [tc.peak_memory(lambda: step(x).numpy()) / MIB for _ in range(spec["steps"])]
+    peaks = [tc.measure(lambda: step(x).numpy()).peak_bytes / MIB
+             for _ in range(spec["steps"])]
     if spec.get("tensors"):
-        from tf_checkpointing.planning._requested import requested_peak
-
         peaks.append(requested_peak(lambda: step(x).numpy()) / MIB)
     print(json.dumps(peaks))
 

@@ -9,11 +9,12 @@ round). Then the cost of the decorator when no tape records: a `Dense(64)` on a
 in alternating blocks of calls, median over blocks of the paired ratio.
 
 Targets: peak memory <= 1.02x `tf.recompute_grad`'s in every mode; step time
-<= 1.35x plain under tf.function; no-tape overhead <= 5%.
+<= 1.35x plain under tf.function (mode "graph"); no-tape overhead <= 5%.
 
 Usage:
-    python benchmarks/core.py                     # the full shapes, ~3-5 min on 2 cores
-    python benchmarks/core.py --layers 4 --batch 64 --out /tmp/core   # smoke test
+    python benchmarks/chain/core.py               # the full shapes, ~3-5 min on 2 cores
+    python benchmarks/chain/core.py --tiny --out /tmp/core   # toy shapes, ~20 s
+    python benchmarks/chain/core.py --rerender benchmarks/results/core.json
 
 Prints the tables with pass/fail and writes `core.json` (and `core.md`) to --out
 (default benchmarks/results/latest/, ignored by git; --update-results: the committed
@@ -33,8 +34,8 @@ import statistics  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
-_REPO = Path(__file__).resolve().parents[1]
-if str(_REPO) not in sys.path:
+_REPO = Path(__file__).resolve().parents[2]
+if str(_REPO) not in sys.path:  # run as a script: the repository holds `benchmarks`
     sys.path.insert(0, str(_REPO))
 
 # Sets TF_CPU_ALLOCATOR_USE_BFC and TF_CPP_MIN_LOG_LEVEL: before TensorFlow is imported.
@@ -44,11 +45,19 @@ with _cli.quiet_start_up():
     import keras  # noqa: E402
     import tensorflow as tf  # noqa: E402
 
-    from benchmarks import harness, report  # noqa: E402
+    from benchmarks import harness  # noqa: E402
 from benchmarks.models import Workload  # noqa: E402
+from benchmarks.report import MIB, cell, environment, table, write_json  # noqa: E402
 from tf_checkpointing import checkpointable  # noqa: E402
 
 STRATEGIES = ("plain", "recompute_grad", "checkpointable")
+# Shapes and repeats: the committed run's, and toy ones that run in seconds (the tests).
+SIZES: dict[str, dict[str, Any]] = {
+    "full": dict(layers=32, width=256, batch=8192, modes="eager,graph,xla", repeats=7,
+                 overhead_samples=201),
+    "tiny": dict(layers=3, width=32, batch=64, modes="eager,graph", repeats=2,
+                 overhead_samples=3),
+}
 MEMORY_VS_RECOMPUTE_GRAD = 1.02
 TIME_VS_PLAIN = 1.35
 NO_TAPE_OVERHEAD = 0.05
@@ -151,9 +160,9 @@ def check_targets(results: list[harness.RunResult], overhead: dict[str, Any]) ->
         checks.append(_check(f"peak memory ({mode})",
                              f"<= {MEMORY_VS_RECOMPUTE_GRAD}x tf.recompute_grad's", ratio,
                              ratio is not None and ratio <= MEMORY_VS_RECOMPUTE_GRAD))
-    ours = by_key.get(("function", "checkpointable"))
+    ours = by_key.get(("graph", "checkpointable"))
     value = ours.time_ratio if ours else None
-    check = _check("step time (function)", f"<= {TIME_VS_PLAIN}x plain (median over rounds)",
+    check = _check("step time (graph)", f"<= {TIME_VS_PLAIN}x plain (median over rounds)",
                    value, value is not None and value <= TIME_VS_PLAIN)
     if ours and ours.time_ratio_quartiles:
         check["shown"] += " (quartiles {:.2f}-{:.2f})".format(*ours.time_ratio_quartiles)
@@ -172,50 +181,73 @@ def _check(name: str, wanted: str, value: Any, passed: bool, fmt: str = "{:.3f}"
 
 def markdown(results: list[harness.RunResult], overhead: dict[str, Any], checks: list[dict],
              config: dict[str, int]) -> str:
-    peers = {(r.mode): r for r in results if r.strategy == "recompute_grad"}
-    lines = [f"## Core benchmark: {config['layers']} x Dense({config['width']}, gelu), "
-             f"batch {config['batch']}", "",
-             "| mode | strategy | peak MiB | memory x plain | memory x recompute_grad | "
-             "step ms | time x plain | grad err | notes |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for r in results:
+    peers = {r.mode: r for r in results if r.strategy == "recompute_grad"}
+
+    def cells(r: harness.RunResult) -> list[str]:
         peer = peers.get(r.mode)
         vs_peer = (r.peak_bytes / peer.peak_bytes if peer and peer.peak_bytes
                    and r.peak_bytes else None)
-        lines.append(report._row([
-            r.mode, r.strategy, report._fmt(r.peak_bytes and r.peak_bytes / report.MIB,
-                                            "{:.1f}"),
-            report._fmt(r.memory_ratio, "{:.3f}"), report._fmt(vs_peer, "{:.3f}"),
-            report._fmt(r.step_time_s and r.step_time_s * 1e3, "{:.0f}"),
-            report._fmt(r.time_ratio, "{:.2f}"), report._fmt(r.grad_error, "{:.1e}"),
-            r.note if r.status == "ok" else f"{r.status}: {r.note}"]))
-    lines += ["", f"No-tape call of Dense(64) on [32, 64]: bare {overhead['bare_us']:.1f} us, "
-                  f"checkpointable {overhead['wrapped_us']:.1f} us "
-                  f"({overhead['overhead']:+.1%}, median of {overhead['samples']} paired "
-                  f"samples of {overhead['calls_per_sample']} calls; the same measurement "
-                  f"of two bare Dense(64), the noise floor: {overhead['noise_floor']:+.1%}). "
-                  f"The decorator's own cost per call, on an identity function: "
-                  f"{overhead['wrapper_us']:.2f} us.",
-              "",
-              "### Targets", "", "| target | wanted | measured | result |",
-              "| --- | --- | --- | --- |"]
-    for c in checks:
-        result = "n/a" if c["passed"] is None else ("PASS" if c["passed"] else "FAIL")
-        lines.append(report._row([c["target"], c["wanted"], c["shown"], result]))
+        return [r.mode, r.strategy, cell(r.peak_bytes and r.peak_bytes / MIB, "{:.1f}"),
+                cell(r.memory_ratio, "{:.3f}"), cell(vs_peer, "{:.3f}"),
+                cell(r.step_time_s and r.step_time_s * 1e3, "{:.0f}"),
+                cell(r.time_ratio, "{:.2f}"), cell(r.grad_error, "{:.1e}"),
+                r.note if r.status == "ok" else f"{r.status}: {r.note}"]
+
+    def result(c: dict) -> str:
+        return "n/a" if c["passed"] is None else ("PASS" if c["passed"] else "FAIL")
+
+    lines = [f"## Core benchmark: {config['layers']} x Dense({config['width']}, gelu), "
+             f"batch {config['batch']}", "",
+             table(["mode", "strategy", "peak MiB", "memory x plain",
+                    "memory x recompute_grad", "step ms", "time x plain", "grad err",
+                    "notes"], (cells(r) for r in results)),
+             "", f"No-tape call of Dense(64) on [32, 64]: bare {overhead['bare_us']:.1f} us, "
+                 f"checkpointable {overhead['wrapped_us']:.1f} us "
+                 f"({overhead['overhead']:+.1%}, median of {overhead['samples']} paired "
+                 f"samples of {overhead['calls_per_sample']} calls; the same measurement "
+                 f"of two bare Dense(64), the noise floor: {overhead['noise_floor']:+.1%}). "
+                 f"The decorator's own cost per call, on an identity function: "
+                 f"{overhead['wrapper_us']:.2f} us.",
+             "",
+             "### Targets", "",
+             table(["target", "wanted", "measured", "result"],
+                   ([c["target"], c["wanted"], c["shown"], result(c)] for c in checks))]
     return "\n".join(lines) + "\n"
+
+
+def rerender(json_path: Path) -> Path:
+    """Writes `core.md` again from a finished run's `core.json`, without measuring."""
+    payload = json.loads(Path(json_path).read_text())
+    results = [harness.RunResult.from_dict(r) for r in payload["results"]]
+    md = Path(json_path).with_suffix(".md")
+    md.write_text(markdown(results, payload["no_tape_overhead"], payload["targets"],
+                           payload["config"]))
+    return md
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=8192)
-    parser.add_argument("--modes", default="eager,function,xla",
-                        help="comma-separated subset of eager,function,xla")
-    parser.add_argument("--repeats", type=int, default=7, help="timed steps per strategy")
-    parser.add_argument("--overhead-samples", type=int, default=201)
+    parser.add_argument("--tiny", action="store_true",
+                        help=f"toy shapes, for the tests: {SIZES['tiny']}")
+    full = SIZES["full"]
+    parser.add_argument("--layers", type=int, help=f"default {full['layers']}")
+    parser.add_argument("--width", type=int, help=f"default {full['width']}")
+    parser.add_argument("--batch", type=int, help=f"default {full['batch']}")
+    parser.add_argument("--modes", help="comma-separated subset of "
+                        f"{','.join(harness.MODES)} (default {full['modes']})")
+    parser.add_argument("--repeats", type=int,
+                        help=f"timed steps per strategy (default {full['repeats']})")
+    parser.add_argument("--overhead-samples", type=int,
+                        help=f"default {full['overhead_samples']}")
     _cli.add_output_arguments(parser)
+    _cli.add_rerender_argument(parser)
     args = parser.parse_args(argv)
+    if args.rerender:
+        print(f"Wrote {rerender(args.rerender)}.")
+        return 0
+    for name, default in SIZES["tiny" if args.tiny else "full"].items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     args.out = _cli.output_dir(args)
     modes = [m for m in args.modes.split(",") if m]
     unknown = [m for m in modes if m not in harness.MODES]
@@ -234,12 +266,10 @@ def main(argv: list[str] | None = None) -> int:
     checks = check_targets(results, overhead)
     config = dict(layers=args.layers, width=args.width, batch=args.batch)
     text = markdown(results, overhead, checks, config)
-    args.out.mkdir(parents=True, exist_ok=True)
-    payload = dict(config=config, repeats=args.repeats, environment=report.environment(),
+    payload = dict(config=config, repeats=args.repeats, environment=environment(),
                    results=[r.as_dict() for r in results], no_tape_overhead=overhead,
                    targets=checks, wall_time_s=time.perf_counter() - _STARTED)
-    (args.out / "core.json").write_text(json.dumps(payload, indent=2,
-                                                   default=report._json_default) + "\n")
+    write_json(args.out / "core.json", payload)
     (args.out / "core.md").write_text(text)
     print(text)
     print(f"Total time {time.perf_counter() - _STARTED:.1f} s. Wrote "

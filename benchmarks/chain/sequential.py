@@ -4,9 +4,9 @@ One run measures, on the same chain, weights and batch:
 
 1. strategies: plain backprop, every layer checkpointed separately
    (``checkpointable(layer)``), and ``checkpoint_sequential(segments="sqrt")``:
-   peak memory in eager and tf.function, step time in tf.function (fastest of
-   round-robin rounds, so load from other processes hits all alike and least;
-   the median is in the JSON), and the largest gradient difference from plain;
+   peak memory in eager and tf.function (mode "graph"), step time in tf.function
+   (fastest of round-robin rounds, so load from other processes hits all alike and
+   least; the median is in the JSON), and the largest gradient difference from plain;
 2. plans: ``plan_sequential`` for budgets from the least feasible memory up to the
    plain step's peak (and one above it), in eager and tf.function, each planned
    for its mode: the budget, the predicted and the measured peak, and the
@@ -30,30 +30,28 @@ reference gradients are NumPy copies), the plans are measured first, and the
 planner keeps 10% of each budget free for what it cannot see.
 
 Usage:
-    python benchmarks/sequential.py              # 64 layers, < 2 min on 2 cores
-    python benchmarks/sequential.py --quick      # 16 small layers, a few seconds
-    python benchmarks/sequential.py --out /tmp/results
+    python benchmarks/chain/sequential.py          # 64 layers, < 2 min on 2 cores
+    python benchmarks/chain/sequential.py --tiny   # 8 small layers, a few seconds
+    python benchmarks/chain/sequential.py --out /tmp/results
 
-Prints the tables with pass/fail and writes ``sequential.json`` to --out
-(default benchmarks/results/latest/, ignored by git; --update-results: the committed
-benchmarks/results/). Other scripts call :func:`run_benchmark`.
+Prints the tables with pass/fail and writes ``sequential.json`` (``sequential_tiny.json``
+with --tiny) to --out (default benchmarks/results/latest/, ignored by git;
+--update-results: the committed benchmarks/results/). Other scripts call
+:func:`run_benchmark`.
 """
 
 from __future__ import annotations
 
-import argparse  # noqa: E402
-import functools  # noqa: E402
-import json  # noqa: E402
-import os
-import platform  # noqa: E402
-import statistics  # noqa: E402
+import argparse
+import functools
+import statistics
 import sys
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any, Callable, Optional  # noqa: E402
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
 
-_REPO = Path(__file__).resolve().parents[1]
-if str(_REPO) not in sys.path:
+_REPO = Path(__file__).resolve().parents[2]
+if str(_REPO) not in sys.path:  # run as a script: the repository holds `benchmarks`
     sys.path.insert(0, str(_REPO))
 
 # Sets TF_CPU_ALLOCATOR_USE_BFC and TF_CPP_MIN_LOG_LEVEL: before TensorFlow is imported.
@@ -64,11 +62,9 @@ with _cli.quiet_start_up():
     import numpy as np  # noqa: E402
     import tensorflow as tf  # noqa: E402
 
-from tf_checkpointing import checkpointable  # noqa: E402
-from tf_checkpointing._sequential import checkpoint_sequential  # noqa: E402
-from tf_checkpointing.planning._chain import plan_sequential  # noqa: E402
+from benchmarks.report import MIB, environment, table, write_json  # noqa: E402
+from tf_checkpointing import checkpoint_sequential, checkpointable, plan_sequential  # noqa: E402
 
-MIB = 2**20
 DEVICE = "CPU:0"
 TARGETS = {
     "sqrt_vs_every_layer_peak": 0.6,   # sqrt segments peak / every-layer peak, at most
@@ -77,7 +73,8 @@ TARGETS = {
     "plan_prediction_error": 0.25,     # |predicted - measured| / measured, at most
 }
 FULL = dict(num_layers=64, batch=2048, width=64, budgets=6, repeats=11)
-QUICK = dict(num_layers=16, batch=128, width=32, budgets=4, repeats=3)
+TINY = dict(num_layers=8, batch=64, width=32, budgets=3, repeats=2)
+MODES = ("eager", "graph")  # eager steps and tf.function steps, as the library names them
 
 
 def build_chain(num_layers: int, width: int, seed: int = 0) -> list[keras.layers.Layer]:
@@ -170,14 +167,14 @@ def run_benchmark(num_layers: int = 64, batch: int = 2048, width: int = 64, budg
     # allocator, which inflates later peaks (see the module docstring). Each mode
     # gets plans made for it: eager for eager steps, "graph" for tf.function.
     plans, bounds = [], {}
-    for mode, plan_mode in (("eager", "eager"), ("function", "graph")):
+    for mode in MODES:
         say(f"profiling the chain for {mode} steps")
-        probe = plan_sequential(layers, x, budget=2**50, mode=plan_mode)
+        probe = plan_sequential(layers, x, budget=2**50, mode=mode)
         low, high = probe.min_budget_bytes, probe.plain_peak_bytes
         bounds[mode] = {"min_budget_bytes": low, "plain_peak_bytes": high}
         levels = [low + (high - low) * k / (budgets - 1) for k in range(budgets)]
         for budget in (int(level) for level in levels + [1.25 * high]):
-            plan = plan_sequential(layers, x, budget=budget, mode=plan_mode)
+            plan = plan_sequential(layers, x, budget=budget, mode=mode)
             say(f"{mode} plan for {budget / MIB:.1f} MiB: {plan.extra_forward_layers} extra "
                 "forwards")
             # In a tf.function, checkpoint_sequential plans (mode "auto") for a graph:
@@ -195,22 +192,22 @@ def run_benchmark(num_layers: int = 64, batch: int = 2048, width: int = 64, budg
     for name, runner in runners.items():
         say(f"strategy {name}")
         row = {"grad_error": _grad_error(make_step(runner, variables, "eager")(x), reference)}
-        for mode in ("eager", "function"):
+        for mode in MODES:
             row[f"peak_{mode}_bytes"] = peak_bytes(make_step(runner, variables, mode), x)
         strategies[name] = row
     say("timing plain vs sqrt segments (tf.function)")
-    timed = {name: make_step(runners[name], variables, "function")
+    timed = {name: make_step(runners[name], variables, "graph")
              for name in ("plain", "sqrt segments")}
     for name, seconds in _step_times(timed, x, repeats).items():
         # The fastest round is the least disturbed by other processes (as timeit);
         # the median is kept too.
-        strategies[name]["seconds_function"] = min(seconds)
-        strategies[name]["seconds_function_median"] = statistics.median(seconds)
+        strategies[name]["seconds_graph"] = min(seconds)
+        strategies[name]["seconds_graph_median"] = statistics.median(seconds)
     payload = {
         "benchmark": "sequential",
         "config": dict(num_layers=num_layers, batch=batch, width=width, budgets=budgets,
                        repeats=repeats, chain="Dense(4w, relu) / Dense(w) alternating"),
-        "environment": _environment(),
+        "environment": environment(),
         "planning": bounds, "strategies": strategies, "plans": plans,
     }
     payload["targets"] = check_targets(payload)
@@ -226,16 +223,16 @@ def check_targets(payload: dict[str, Any]) -> list[dict[str, Any]]:
         checks.append({"target": name, "value": value, "limit": limit,
                        "passed": bool(value <= limit) if passed is None else passed})
 
-    for mode in ("eager", "function"):
+    for mode in MODES:
         add(f"sqrt peak / every-layer peak ({mode})",
             s["sqrt segments"][f"peak_{mode}_bytes"] / s["every layer"][f"peak_{mode}_bytes"],
             TARGETS["sqrt_vs_every_layer_peak"])
     add("sqrt time / plain time (tf.function, fastest of the rounds)",
-        s["sqrt segments"]["seconds_function"] / s["plain"]["seconds_function"],
+        s["sqrt segments"]["seconds_graph"] / s["plain"]["seconds_graph"],
         TARGETS["sqrt_vs_plain_time"])
     add("gradient error, every strategy vs plain", max(r["grad_error"] for r in s.values()),
         1e-5)
-    for mode in ("eager", "function"):
+    for mode in MODES:
         plans = [p for p in payload["plans"] if p["mode"] == mode]
         add(f"worst plan peak / budget ({mode})",
             max(p["peak_bytes"] / p["budget_bytes"] for p in plans),
@@ -254,73 +251,61 @@ def check_targets(payload: dict[str, Any]) -> list[dict[str, Any]]:
 def format_report(payload: dict[str, Any]) -> str:
     """The three tables of a run, as Markdown."""
     c, s = payload["config"], payload["strategies"]
-    lines = [f"## checkpoint_sequential / plan_sequential: {c['num_layers']} layers "
-             f"({c['chain']}, batch {c['batch']}, w={c['width']})", "",
-             "| strategy | peak eager MiB | peak tf.function MiB | vs plain (function) "
-             "| step ms (function, fastest / median) | vs plain | grad error |",
-             "|---|---|---|---|---|---|---|"]
     plain = s["plain"]
-    for name, row in s.items():
-        seconds = row.get("seconds_function")
-        lines.append(
-            f"| {name} | {row['peak_eager_bytes'] / MIB:.1f} | "
-            f"{row['peak_function_bytes'] / MIB:.1f} | "
-            f"{row['peak_function_bytes'] / plain['peak_function_bytes']:.2f}x | "
-            + (f"{seconds * 1e3:.0f} / {row['seconds_function_median'] * 1e3:.0f} | "
-               f"{seconds / plain['seconds_function']:.2f}x | "
-               if seconds else "- | - | ") + f"{row['grad_error']:.1e} |")
-    bounds = payload["planning"]
-    lines += ["", "Plans, made for the mode they run in (least feasible budget: "
-              + ", ".join(f"{mode} {b['min_budget_bytes'] / MIB:.1f} MiB, plain "
-                          f"{b['plain_peak_bytes'] / MIB:.1f} MiB" for mode, b in bounds.items())
-              + "):", "",
-              "| mode | budget MiB | predicted | measured | measured / budget | "
-              "prediction error | extra forwards | depth | top-level segments |",
-              "|---|---|---|---|---|---|---|---|---|"]
-    for p in payload["plans"]:
-        ckpt = sum(p["checkpointed"])
-        lines.append(
-            f"| {p['mode']} | {p['budget_bytes'] / MIB:.1f} | "
-            f"{p['predicted_peak_bytes'] / MIB:.1f} | {p['peak_bytes'] / MIB:.1f} | "
-            f"{p['peak_bytes'] / p['budget_bytes']:.2f} | "
-            f"{abs(p['predicted_peak_bytes'] - p['peak_bytes']) / p['peak_bytes']:.0%}"
-            f" | {p['extra_forward_layers']} | {p['depth']} | {len(p['segments'])} "
-            f"({ckpt} checkpointed) |")
-    lines += ["", "| target | value | limit | result |", "|---|---|---|---|"]
-    for t in payload["targets"]:
-        lines.append(f"| {t['target']} | {t['value']:.3g} | {t['limit']} | "
-                     f"{'pass' if t['passed'] else 'FAIL'} |")
-    lines.append(f"\nRun time {payload['seconds']:.0f} s.")
-    return "\n".join(lines)
 
+    def timing(row: dict[str, Any]) -> list[str]:
+        seconds = row.get("seconds_graph")
+        if not seconds:
+            return ["-", "-"]
+        return [f"{seconds * 1e3:.0f} / {row['seconds_graph_median'] * 1e3:.0f}",
+                f"{seconds / plain['seconds_graph']:.2f}x"]
 
-def _environment() -> dict[str, Any]:
-    return dict(python=platform.python_version(), tensorflow=tf.__version__,
-                keras=keras.__version__, numpy=np.__version__, platform=platform.platform(),
-                cpu_count=os.cpu_count(), load_average=list(os.getloadavg()),
-                TF_CPU_ALLOCATOR_USE_BFC=os.environ.get("TF_CPU_ALLOCATOR_USE_BFC"))
+    strategies = table(
+        ["strategy", "peak eager MiB", "peak tf.function MiB", "vs plain (graph)",
+         "step ms (graph, fastest / median)", "vs plain", "grad error"],
+        ([name, f"{row['peak_eager_bytes'] / MIB:.1f}", f"{row['peak_graph_bytes'] / MIB:.1f}",
+          f"{row['peak_graph_bytes'] / plain['peak_graph_bytes']:.2f}x", *timing(row),
+          f"{row['grad_error']:.1e}"] for name, row in s.items()))
+    plans = table(
+        ["mode", "budget MiB", "predicted", "measured", "measured / budget",
+         "prediction error", "extra forwards", "depth", "top-level segments"],
+        ([p["mode"], f"{p['budget_bytes'] / MIB:.1f}", f"{p['predicted_peak_bytes'] / MIB:.1f}",
+          f"{p['peak_bytes'] / MIB:.1f}", f"{p['peak_bytes'] / p['budget_bytes']:.2f}",
+          f"{abs(p['predicted_peak_bytes'] - p['peak_bytes']) / p['peak_bytes']:.0%}",
+          p["extra_forward_layers"], p["depth"],
+          f"{len(p['segments'])} ({sum(p['checkpointed'])} checkpointed)"]
+         for p in payload["plans"]))
+    targets = table(["target", "value", "limit", "result"],
+                    ([t["target"], f"{t['value']:.3g}", t["limit"],
+                      "pass" if t["passed"] else "FAIL"] for t in payload["targets"]))
+    bounds = ", ".join(f"{mode} {b['min_budget_bytes'] / MIB:.1f} MiB, plain "
+                       f"{b['plain_peak_bytes'] / MIB:.1f} MiB"
+                       for mode, b in payload["planning"].items())
+    return "\n".join([
+        f"## checkpoint_sequential / plan_sequential: {c['num_layers']} layers "
+        f"({c['chain']}, batch {c['batch']}, w={c['width']})", "", strategies, "",
+        f"Plans, made for the mode they run in (least feasible budget: {bounds}):", "",
+        plans, "", targets, f"\nRun time {payload['seconds']:.0f} s."])
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="16 small layers")
+    parser.add_argument("--tiny", action="store_true", help="8 small layers, for the tests")
     _cli.add_output_arguments(parser)
     for name, default in FULL.items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
-                            help=f"default {default} ({QUICK[name]} with --quick)")
+                            help=f"default {default} ({TINY[name]} with --tiny)")
     args = parser.parse_args(argv)
-    config = dict(QUICK if args.quick else FULL)
+    config = dict(TINY if args.tiny else FULL)
     config.update({k: getattr(args, k) for k in FULL if getattr(args, k) is not None})
     payload = run_benchmark(**config, progress=lambda m: print(f"  {m}", file=sys.stderr))
     print(format_report(payload))
-    if args.quick:
-        print("(--quick: shapes too small for the targets, which apply to the full run)")
-    args.out = _cli.output_dir(args)
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / ("sequential_quick.json" if args.quick else "sequential.json")
-    path.write_text(json.dumps(payload, indent=2) + "\n")
+    if args.tiny:
+        print("(--tiny: shapes too small for the targets, which apply to the full run)")
+    path = write_json(_cli.output_dir(args) / ("sequential_tiny.json" if args.tiny
+                                               else "sequential.json"), payload)
     print(f"wrote {path}")
-    return 0 if args.quick or all(t["passed"] for t in payload["targets"]) else 1
+    return 0 if args.tiny or all(t["passed"] for t in payload["targets"]) else 1
 
 
 if __name__ == "__main__":

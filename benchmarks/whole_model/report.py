@@ -1,29 +1,32 @@
-"""The whole-model benchmark's table, target checks, JSON and plot.
+"""The whole-model benchmark's table, target checks, JSON and plot (`run.py` writes
+them after a run, `run.py --rerender` again from its JSON), through the shared
+`benchmarks/report.py`.
 
 Example:
     >>> rows = [dict(model="m", strategy="plain", xla=False, peak_mib=10.0, step_s=1.0),
     ...         dict(model="m", strategy="budget=min", xla=False, peak_mib=4.0, step_s=1.3,
     ...              budget_mib=4.2, predicted_mib=4.1, fraction=0.0)]
-    >>> print(table(rows).splitlines()[2][:51])
+    >>> print(markdown_table(rows).splitlines()[2][:51])
     | m | plain | tf.function | - | 10.0 | - | - | 1.00
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import platform
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
-import tensorflow as tf
+from benchmarks.report import cell, environment, pyplot, save_figure, table
 
 # peak MiB: the median of the measured steps' peaks (the allocator's chunks); max MiB:
 # the largest of them; tensors MiB: the peak of the requested bytes of one more step
-# (what the planner models; see _tensor_peak).
-_HEADER = ("| model | strategy | step | budget MiB | peak MiB | max MiB | tensors MiB "
-           "| peak x plain | predicted MiB | predicted / measured | predicted / tensors "
-           "| step x plain | regions | plan s |")
+# (what the planner models; see peaks.py).
+_HEAD = ("model", "strategy", "step", "budget MiB", "peak MiB", "max MiB", "tensors MiB",
+         "peak x plain", "predicted MiB", "predicted / measured", "predicted / tensors",
+         "step x plain", "regions", "plan s")
 
 
 def _plain(rows: list[dict], model: str, xla: bool) -> Optional[dict]:
@@ -37,44 +40,38 @@ def _speed(row: dict, plain: dict) -> float:
     return row.get("step_x_plain_interleaved") or row["step_s"] / plain["step_s"]
 
 
-def _fmt(value: Any, spec: str = ".1f") -> str:
-    return "-" if value is None else format(value, spec)
+def markdown_table(rows: list[dict]) -> str:
+    """One row per strategy measured (a failed model: one short row with its error)."""
+    return table(_HEAD, (_cells(r, rows) for r in rows))
 
 
-def table(rows: list[dict]) -> str:
-    lines = [_HEADER, "|" + " --- |" * (_HEADER.count("|") - 1)]
-    for r in rows:
-        if "peak_mib" not in r:
-            lines.append(f"| {r['model']} | {r['strategy']} | - | failed: "
-                         f"{r.get('error', '')[-200:].splitlines()[-1:]} |")
-            continue
-        plain = _plain(rows, r["model"], r.get("xla", False))
-        ratio = r["peak_mib"] / plain["peak_mib"] if plain else None
-        speed = _speed(r, plain) if plain else None
-        pred = r.get("predicted_mib")
-        tensors = r.get("tensor_peak_mib")
-        batch = f" (batch {r['batch']})" if "batch" in r else ""
-        lines.append(
-            f"| {r['model']} | {r['strategy']}{batch}"
-            f" | {'XLA' if r.get('xla') else 'tf.function'} | {_fmt(r.get('budget_mib'))} "
-            f"| {r['peak_mib']:.1f} | {_fmt(r.get('peak_max_mib'))} | {_fmt(tensors)} "
-            f"| {_fmt(ratio, '.2f')} | {_fmt(pred)} "
-            f"| {_fmt(pred / r['peak_mib'] if pred else None, '.2f')} "
-            f"| {_fmt(pred / tensors if pred and tensors else None, '.2f')} "
-            f"| {_fmt(speed, '.2f')} | {_fmt(r.get('regions'), 'd')} | {_fmt(r.get('plan_s'))} |")
-    return "\n".join(lines)
+def _cells(r: dict, rows: list[dict]) -> list[str]:
+    if "peak_mib" not in r:
+        return [r["model"], r["strategy"], "-",
+                f"failed: {r.get('error', '')[-200:].splitlines()[-1:]}"]
+    plain = _plain(rows, r["model"], r.get("xla", False))
+    pred, tensors = r.get("predicted_mib"), r.get("tensor_peak_mib")
+    batch = f" (batch {r['batch']})" if "batch" in r else ""
+    return [r["model"], r["strategy"] + batch, "XLA" if r.get("xla") else "tf.function",
+            cell(r.get("budget_mib"), "{:.1f}"), f"{r['peak_mib']:.1f}",
+            cell(r.get("peak_max_mib"), "{:.1f}"), cell(tensors, "{:.1f}"),
+            cell(r["peak_mib"] / plain["peak_mib"] if plain else None, "{:.2f}"),
+            cell(pred, "{:.1f}"), cell(pred / r["peak_mib"] if pred else None, "{:.2f}"),
+            cell(pred / tensors if pred and tensors else None, "{:.2f}"),
+            cell(_speed(r, plain) if plain else None, "{:.2f}"),
+            cell(r.get("regions"), "{:d}"), cell(r.get("plan_s"), "{:.1f}")]
 
 
 def targets(rows: list[dict], parallel: int = 1) -> list[tuple[str, str, bool]]:
     """(target, measured, met) for each issue-13 target the rows can answer."""
     out = []
 
-    def row(model: str, strategy: str, xla: bool = False) -> Optional[dict]:
+    def find(model: str, strategy: str, xla: bool = False) -> Optional[dict]:
         return next((r for r in rows if r["model"] == model and r["strategy"] == strategy
                      and r.get("xla", False) == xla and "peak_mib" in r), None)
 
     for model in ("resnet50", "unet"):
-        least, hand = row(model, "budget=min"), row(model, "hand-written per-block")
+        least, hand = find(model, "budget=min"), find(model, "hand-written per-block")
         if least and hand:
             ratio = least["peak_mib"] / hand["peak_mib"]
             out.append((f"{model}: budget='min' peak <= 0.8x hand-written per-block",
@@ -103,7 +100,7 @@ def targets(rows: list[dict], parallel: int = 1) -> list[tuple[str, str, bool]]:
                 out.append((f"{where}: (predicted within 10% of the tensors' peak)",
                             f"{err:+.0%}", abs(err) <= 0.10))
     for model in sorted({r["model"] for r in rows}):
-        half, plain = row(model, "budget 0.50"), _plain(rows, model, False)
+        half, plain = find(model, "budget 0.50"), _plain(rows, model, False)
         if half and plain:
             speed = _speed(half, plain)
             out.append((f"{model}: halfway budget step time <= 1.2x plain", f"{speed:.2f}x",
@@ -116,12 +113,12 @@ def targets(rows: list[dict], parallel: int = 1) -> list[tuple[str, str, bool]]:
                         "within the budget", f"{speed:.2f}x, peak "
                         f"{r['peak_mib'] / r['budget_mib']:.2f}x budget",
                         speed <= 1.15 and r["peak_mib"] <= r["budget_mib"]))
-    big = row("resnet50", "budget=min, batch x2.5")
+    big = find("resnet50", "budget=min, batch x2.5")
     if big:
         out.append(("resnet50: batch 40 (2.5x) fits plain's batch-16 peak",
                     f"{big['peak_mib']:.0f} vs {big['plain_batch16_peak_mib']:.0f} MiB",
                     big["peak_mib"] <= big["plain_batch16_peak_mib"]))
-    least = row("resnet50", "budget=min")
+    least = find("resnet50", "budget=min")
     if least and least.get("plan_s") is not None:
         load = "" if parallel <= 1 else ", shared with another model"
         out.append((f"resnet50: planning < 60 s (2 cores{load})",
@@ -129,34 +126,43 @@ def targets(rows: list[dict], parallel: int = 1) -> list[tuple[str, str, bool]]:
     return out
 
 
-def write(rows: list[dict], out: Path, parallel: int = 1) -> None:
-    """The table, targets and plot of ``rows``, measured ``parallel`` models at once."""
+def write(rows: list[dict], out: Path, parallel: int = 1, write_json: bool = True) -> None:
+    """The table, targets and plot of ``rows`` (measured ``parallel`` models at once)
+    as ``out`` + ``.md`` and ``.png``, and the rows as ``.json`` unless ``write_json``
+    is False (written again from that JSON)."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
+    if write_json:
+        out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
     checks = targets(rows, parallel)
     onednn = os.environ.get("TF_ENABLE_ONEDNN_OPTS", "default")
     shared = ("one model at a time" if parallel <= 1
               else f"{parallel} models at once, sharing the cores")
-    text = [f"# Whole-model checkpointing\n\nTensorFlow {tf.__version__}, "
+    text = [f"# Whole-model checkpointing\n\nTensorFlow {_tensorflow_version()}, "
             f"{platform.machine()}, CPU, oneDNN {onednn}, 2 cores, {shared} (step times "
             "are same-run ratios; absolute times are not meaningful).\n",
-            table(rows), "\n## Targets\n", "| target | measured | met |", "| --- | --- | --- |"]
-    text += [f"| {t} | {m} | {'PASS' if ok else 'FAIL'} |" for t, m, ok in checks]
+            markdown_table(rows), "\n## Targets\n",
+            table(["target", "measured", "met"],
+                     ([t, m, "PASS" if ok else "FAIL"] for t, m, ok in checks))]
     out.with_suffix(".md").write_text("\n".join(text) + "\n")
     _plot(rows, out.with_suffix(".png"))
     print("\n".join(text))
 
 
+def _tensorflow_version() -> str:
+    """Read from the installed package: the parent process, which writes the report,
+    need not load TensorFlow (the workers measured)."""
+    try:
+        return importlib.metadata.version("tensorflow")
+    except importlib.metadata.PackageNotFoundError:  # tensorflow-cpu, a nightly: ask it
+        return environment()["tensorflow"]
+
+
 def _plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     models = sorted({r["model"] for r in rows if "peak_mib" in r})
-    fig, axes = plt.subplots(1, max(1, len(models)), figsize=(4.5 * len(models), 4))
-    axes = [axes] if len(models) == 1 else list(axes)
-    for ax, model in zip(axes, models):
+    fig, axes = plt.subplots(1, max(1, len(models)), figsize=(4.5 * max(1, len(models)), 4),
+                             squeeze=False)
+    for ax, model in zip(axes[0], models):
         plain = _plain(rows, model, False)
         if not plain:
             continue
@@ -179,4 +185,4 @@ def _plot(rows: list[dict], path: Path) -> None:
         ax.set_ylabel("step time x plain")
         ax.legend(fontsize=6)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)

@@ -1,8 +1,9 @@
 """Benchmark: whole-model checkpointing for a memory budget.
 
-    python benchmarks/whole_model.py            # all models, writes results/latest/whole_model.*
-    python benchmarks/whole_model.py --update-results   # the committed results/whole_model.*
-    python benchmarks/whole_model.py --tiny     # small shapes, for a smoke test
+    python benchmarks/whole_model/run.py          # all models: results/latest/whole_model.*
+    python benchmarks/whole_model/run.py --update-results   # the committed results
+    python benchmarks/whole_model/run.py --tiny   # the U-Net at 16x16: a smoke test, < 1 min
+    python benchmarks/whole_model/run.py --rerender benchmarks/results/whole_model.json
 
 Each model runs in a subprocess of its own (a fresh allocator), as one
 ``tf.function`` training step (SGD), under every strategy (the plans made first,
@@ -16,7 +17,17 @@ five steps, and their largest); step times are medians, as ratios to plain
 in the same process. For the decoder (gpt2), the
 budget plans are also made with ``policies="auto"`` (a save policy per region),
 and every ``tf.function`` strategy is timed again with plain in interleaved
-rounds (the step times reported).
+rounds (the step times reported). The models: ``models.py``; the fresh process
+that reads a strategy's peaks: ``peaks.py``; the table, targets and plot:
+``report.py``.
+
+``--tiny`` runs the tiny U-Net with plain and the halfway budget (``--models unet
+--budgets 1 --only 'budget 0.50'`` unless given): the whole path, the least plan
+made and the peaks read in fresh processes, in 30-60 s on 2 cores.
+
+This module is both the parent process (which starts one worker process per model
+and writes the report) and the worker (``--worker``): TensorFlow and the library are
+imported inside the worker's functions, so the parent never loads them.
 """
 
 from __future__ import annotations
@@ -33,117 +44,24 @@ import time
 from pathlib import Path
 from typing import Any
 
-_REPO = Path(__file__).resolve().parents[1]
-if str(_REPO) not in sys.path:
+_REPO = Path(__file__).resolve().parents[2]
+if str(_REPO) not in sys.path:  # run as a script: the repository holds `benchmarks`
     sys.path.insert(0, str(_REPO))
 
 # Sets TF_CPU_ALLOCATOR_USE_BFC, TF_CPP_MIN_LOG_LEVEL and TF_ENABLE_ONEDNN_OPTS (peaks that
 # do not depend on the host CPU), which the per-model subprocesses inherit.
 from benchmarks import _cli  # noqa: E402
-from benchmarks.whole_model_peaks import fresh_peaks, plan_spec  # noqa: E402
+from benchmarks.report import MIB  # noqa: E402
+from benchmarks.whole_model import report  # noqa: E402
+from benchmarks.whole_model.models import MODELS, build, training_step  # noqa: E402
+from benchmarks.whole_model.peaks import fresh_peaks  # noqa: E402
 
-MIB = 2**20
 PEAK_STEPS = 5  # steps whose peaks are measured per strategy
-MODELS = ("resnet50", "unet", "mobilenetv2", "gpt2")
+# What --tiny runs unless --models, --budgets or --only say otherwise.
+TINY = dict(models="unet", budgets=1, only="budget 0.50")
 # Models whose budget plans are also made with save policies (policies="auto"):
 # the decoder, where keeping the products pays (the policy target).
 POLICY_MODELS = ("gpt2",)
-
-
-def build(name: str, tiny: bool) -> tuple[Any, Any, list[list[str]], int]:
-    """(model, batch maker, hand-written blocks as lists of layer names, batch)."""
-    import keras
-    import tensorflow as tf
-
-    keras.utils.set_random_seed(0)
-    # keras.applications models: constructor, and the layer-name prefix of a block.
-    applications = {"resnet50": (keras.applications.ResNet50, r"^(conv\d_block\d+)_"),
-                    "mobilenetv2": (keras.applications.MobileNetV2, r"^(block_\d+)_")}
-    if name in applications:
-        build, prefix = applications[name]
-        size, batch = (64, 4) if tiny else (128, 16)
-        model = build(weights=None, input_shape=(size, size, 3), classes=10)
-        blocks = _blocks_by_prefix(model, prefix)
-        return model, lambda b: tf.random.normal([b, size, size, 3]), blocks, batch
-    if name == "unet":
-        return (*_unet(16 if tiny else 64, 4 if tiny else 16), 2 if tiny else 8)
-    if name == "gpt2":
-        import keras_hub
-
-        seq, batch = (16, 2) if tiny else (128, 8)
-        model = keras_hub.models.GPT2Backbone(
-            vocabulary_size=1000, num_layers=2 if tiny else 6, num_heads=4,
-            hidden_dim=64 if tiny else 256, intermediate_dim=128 if tiny else 1024,
-            max_sequence_length=seq)
-
-        def batch_of(b: int) -> dict:
-            return {"token_ids": tf.random.uniform([b, seq], 0, 1000, tf.int32),
-                    "padding_mask": tf.ones([b, seq], tf.int32)}
-
-        blocks = [[layer.name] for layer in model.layers if "transformer_layer" in layer.name]
-        return model, batch_of, blocks, batch
-    raise ValueError(f"unknown model {name!r}; expected one of {MODELS}")
-
-
-def _blocks_by_prefix(model: Any, pattern: str) -> list[list[str]]:
-    """The residual blocks: runs of layers whose names share the prefix ``pattern`` matches."""
-    blocks: dict[str, list[str]] = {}
-    for layer in model.layers:
-        found = re.match(pattern, layer.name)
-        if found:
-            blocks.setdefault(found.group(1), []).append(layer.name)
-    return list(blocks.values())
-
-
-def _unet(image: int, channels: int) -> tuple[Any, Any, list[list[str]]]:
-    """The suite's U-Net (benchmarks/models.py, levels 2) as a functional model."""
-    import keras
-    import tensorflow as tf
-
-    layers = keras.layers
-    blocks: list[list[str]] = []
-
-    def stage(x: Any, width: int, name: str) -> Any:
-        for k in range(2):
-            x = layers.Conv2D(width, 3, padding="same", use_bias=False, name=f"{name}_conv{k}")(x)
-            x = layers.BatchNormalization(name=f"{name}_bn{k}")(x)
-            x = layers.Activation("relu", name=f"{name}_relu{k}")(x)
-        return x
-
-    x = keras.Input((image, image, 3))
-    h = layers.Conv2D(channels, 3, padding="same", name="stem")(x)
-    skips = []
-    for i in range(2):
-        h = stage(h, channels * 2**i, f"down{i}")
-        skips.append(h)
-        h = layers.MaxPooling2D(name=f"down{i}_pool")(h)
-        blocks.append([f"down{i}_{s}" for s in ("conv0", "bn0", "relu0", "conv1", "bn1",
-                                                 "relu1", "pool")])
-    h = stage(h, channels * 4, "mid")
-    blocks.append([f"mid_{s}" for s in ("conv0", "bn0", "relu0", "conv1", "bn1", "relu1")])
-    for i in reversed(range(2)):
-        h = layers.UpSampling2D(name=f"up{i}_up")(h)
-        h = layers.Concatenate(name=f"up{i}_cat")([h, skips[i]])
-        h = stage(h, channels * 2**i, f"up{i}")
-        blocks.append([f"up{i}_{s}" for s in ("up", "cat", "conv0", "bn0", "relu0", "conv1",
-                                               "bn1", "relu1")])
-    model = keras.Model(x, layers.Conv2D(4, 1, name="head")(h), name="unet")
-    return model, lambda b: tf.random.normal([b, image, image, 3]), blocks
-
-
-def training_step(model: Any, optimizer: Any, jit: bool) -> Any:
-    """One SGD step on the mean square of the model's outputs, as a ``tf.function``."""
-    import tensorflow as tf
-
-    def step(x: Any) -> Any:
-        with tf.GradientTape() as tape:
-            out = model(x, training=True)
-            loss = tf.add_n([tf.reduce_mean(tf.square(tf.cast(o, tf.float32)))
-                             for o in tf.nest.flatten(out)])
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        return loss
-    return tf.function(step, jit_compile=jit)
 
 
 def _batch(inputs: Any) -> int:
@@ -155,11 +73,11 @@ def _batch(inputs: Any) -> int:
 def worker(name: str, tiny: bool, budgets: int, only: str = "", rounds: int = 7) -> list[dict]:
     """Measures every strategy on one model (run in its own process); with
     ``only`` (a regular expression), the strategies whose names match it (and plain)."""
-    import keras
+    with _cli.quiet_start_up():
+        import keras
 
-    import tf_checkpointing as tc
-    from tf_checkpointing._memory import grow_cpu_pool
-    from tf_checkpointing.planning._model import ModelPlan
+        import tf_checkpointing as tc
+        from tf_checkpointing.core._memory import grow_cpu_pool
 
     # Before the model is built: XLA's one buffer is cut from one large region,
     # not counted as the region it would open (see _memory.grow_cpu_pool).
@@ -178,7 +96,7 @@ def worker(name: str, tiny: bool, budgets: int, only: str = "", rounds: int = 7)
                 **extra: Any) -> dict:
         step = training_step(model, optimizer, jit)
         step(inputs).numpy()  # trace (and plan) outside the measurement
-        # The peak in a process of its own, as a user's run (see whole_model_peaks):
+        # The peak in a process of its own, as a user's run (see peaks.py):
         # the median of a few steps (the executor's op order moves a U-Net step's
         # peak by up to 6 MiB of 25), and their largest (what must fit).
         # One more step traced: the peak of its tensors (requested bytes), which the
@@ -186,7 +104,7 @@ def worker(name: str, tiny: bool, budgets: int, only: str = "", rounds: int = 7)
         peaks = fresh_peaks(name, tiny, dict(spec, jit=jit, batch=_batch(inputs)),
                             1 if tiny else PEAK_STEPS, tensors=not tiny)
         tensor_mib = None if tiny else peaks.pop()
-        shared = [tc.peak_memory(lambda: step(inputs).numpy()) / MIB
+        shared = [tc.measure(lambda: step(inputs).numpy()).peak_bytes / MIB
                   for _ in range(1 if tiny else 3)]
         times = []
         for _ in range(1 if tiny else 3):
@@ -227,23 +145,24 @@ def worker(name: str, tiny: bool, budgets: int, only: str = "", rounds: int = 7)
         tc.apply_checkpointing(model, lambda layer: not isinstance(layer, keras.layers.InputLayer))
         measure("per-layer every layer", dict(select="every"))
         reset()
-    names = list(least.call_names)
-    spans = tuple((names.index(b[0]), names.index(b[-1]) + 1, ()) for b in blocks)
-    hand = ModelPlan(least.call_names, spans, "graph", None, 0, 0, 0)
+    # Each block as one region: the layer calls from its first layer's to its last's.
+    names = list(least.names)
+    hand = tc.ModelPlan.from_regions(model, [names[names.index(b[0]):names.index(b[-1]) + 1]
+                                             for b in blocks])
     if wanted("hand-written per-block"):
         tc.apply_checkpointing(model, plan=hand)
-        measure("hand-written per-block", dict(plan=plan_spec(hand)), regions=len(spans))
+        measure("hand-written per-block", dict(plan=hand.to_config()),
+                regions=len(hand.regions))
     for label, plan, fraction, plan_s in plans["graph"]:
         if not wanted(label):
             continue
         tc.apply_checkpointing(model, plan=plan)
-        measure(label, dict(plan=plan_spec(plan)),
-                budget_mib=(plan.budget_bytes or plan.min_budget_bytes) / MIB,
+        measure(label, dict(plan=plan.to_config()), budget_mib=_budget_mib(plan),
                 predicted_mib=plan.predicted_peak_bytes / MIB, fraction=fraction,
-                plan_s=plan_s, regions=len(plan.spans),
+                plan_s=plan_s, regions=len(plan.regions),
                 extra_forward=plan.extra_forward_layers,
                 predicted_extra_ms=plan.predicted_extra_seconds * 1e3,
-                policy_regions=sum(p is not None for p in plan.region_policies))
+                policy_regions=sum(p.policy is not None for p in plan.pieces))
         if "policies" in label:
             print(plan, file=sys.stderr, flush=True)
     _interleaved(name, steps, rounds, rows)
@@ -256,9 +175,8 @@ def worker(name: str, tiny: bool, budgets: int, only: str = "", rounds: int = 7)
     for label, plan, fraction, _ in plans["xla"]:
         reset()
         tc.apply_checkpointing(model, plan=plan)
-        measure(label, dict(plan=plan_spec(plan)), jit=True,
-                budget_mib=(plan.budget_bytes or plan.min_budget_bytes) / MIB,
-                fraction=fraction, regions=len(plan.spans),
+        measure(label, dict(plan=plan.to_config()), jit=True, budget_mib=_budget_mib(plan),
+                fraction=fraction, regions=len(plan.regions),
                 predicted_mib=plan.predicted_peak_bytes / MIB)
     if name == "resnet50" and not tiny:
         big = batch_of(batch * 5 // 2)
@@ -267,6 +185,12 @@ def worker(name: str, tiny: bool, budgets: int, only: str = "", rounds: int = 7)
         measure("budget=min, batch x2.5", dict(budget="min"), inputs=big, batch=batch * 5 // 2,
                 plain_batch16_peak_mib=plain["peak_mib"])
     return rows
+
+
+def _budget_mib(plan: Any) -> float:
+    """What a plan was made for, in MiB: its budget, or the least budget for "min"."""
+    budget = plan.budget_bytes
+    return (plan.min_budget_bytes if budget in (None, "min") else budget) / MIB
 
 
 def _plans(model: Any, x: Any, budgets: int, wanted: Any, *, xla: bool,
@@ -345,10 +269,12 @@ def _interleaved(name: str, steps: dict, rounds: int, rows: list[dict]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tiny", action="store_true", help="small shapes (smoke test)")
-    parser.add_argument("--models", default=",".join(MODELS))
-    parser.add_argument("--budgets", type=int, default=3, help="budgets between min and plain")
-    parser.add_argument("--only", default="", help="a regular expression: run only the "
+    parser.add_argument("--tiny", action="store_true",
+                        help=f"small shapes (smoke test); unless given: {TINY}")
+    parser.add_argument("--models", help=f"comma-separated subset of {','.join(MODELS)} "
+                        "(default: all)")
+    parser.add_argument("--budgets", type=int, help="budgets between min and plain (default 3)")
+    parser.add_argument("--only", help="a regular expression: run only the "
                         "strategies whose names match it (and plain), e.g. 'budget 0.50|"
                         "1/2 plain'; 'XLA' selects the XLA rows")
     parser.add_argument("--rounds", type=int, default=7,
@@ -358,19 +284,29 @@ def main() -> None:
                         "ratios scatter more on a shared machine)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     _cli.add_output_arguments(parser)
+    _cli.add_rerender_argument(parser)
     args = parser.parse_args()
+    if args.rerender:
+        rows = json.loads(args.rerender.read_text())
+        report.write(rows, args.rerender.with_suffix(""), write_json=False)
+        return
+    defaults = TINY if args.tiny else dict(models=",".join(MODELS), budgets=3, only="")
+    for name, default in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     if args.worker:
         print(json.dumps(worker(args.worker, args.tiny, args.budgets, args.only,
                                 args.rounds)))
         return
     env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="3")
-    rows: list[dict] = []
+
     def measured(name: str) -> subprocess.CompletedProcess:
         command = [sys.executable, __file__, "--worker", name, "--budgets", str(args.budgets),
                    "--only", args.only, "--rounds", str(args.rounds)]
         return subprocess.run(command + (["--tiny"] if args.tiny else []), env=env,
                               capture_output=True, text=True, check=False)
 
+    rows: list[dict] = []
     names = args.models.split(",")
     # A pool of `parallel` workers, each a process of its own; rows in model order.
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.parallel)) as pool:
@@ -380,11 +316,10 @@ def main() -> None:
                 rows.append(dict(model=name, strategy="(failed)", error=done.stderr[-2000:]))
                 continue
             rows.extend(json.loads(done.stdout.strip().splitlines()[-1]))
-    from benchmarks.whole_model_report import write  # noqa: PLC0415
-
-    write(rows, _cli.output_dir(args) / "whole_model", parallel=args.parallel)
+    report.write(rows, _cli.output_dir(args) / "whole_model", parallel=args.parallel)
+    if any(r["strategy"] == "(failed)" for r in rows):
+        sys.exit(1)  # in the table too; the exit status says so to a script or a test
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     main()

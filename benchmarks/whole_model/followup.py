@@ -1,8 +1,9 @@
 """Follow-up measurements for the whole-model benchmark (one model per run).
 
-    python benchmarks/whole_model_followup.py resnet50 timing 21   # round-robin step time
-    python benchmarks/whole_model_followup.py resnet50 least    # budget="min" peak
-    python benchmarks/whole_model_followup.py resnet50 budget 0.25   # as a user runs it
+    python benchmarks/whole_model/followup.py resnet50 timing 21   # round-robin step time
+    python benchmarks/whole_model/followup.py resnet50 least    # budget="min" peak
+    python benchmarks/whole_model/followup.py resnet50 budget 0.25   # as a user runs it
+    python benchmarks/whole_model/followup.py unet budget 0.5 --tiny   # 16x16: a few seconds
 
 ``timing [ROUNDS]``: plain and halfway-budget steps alternate (7 rounds by
 default, medians), so a loaded machine slows both alike. ``least``: peak of plain and of the least
@@ -15,30 +16,33 @@ are in ``results/whole_model_followup.json``.
 
 from __future__ import annotations
 
+import argparse
 import json
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
-os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")  # as benchmarks/_cli.py: host-independent peaks
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+_REPO = Path(__file__).resolve().parents[2]
+if str(_REPO) not in sys.path:  # run as a script: the repository holds `benchmarks`
+    sys.path.insert(0, str(_REPO))
 
-import keras  # noqa: E402
-import tensorflow as tf  # noqa: E402
+# Sets TF_CPU_ALLOCATOR_USE_BFC, TF_CPP_MIN_LOG_LEVEL and TF_ENABLE_ONEDNN_OPTS.
+from benchmarks import _cli  # noqa: E402
+
+with _cli.quiet_start_up():
+    import keras  # noqa: E402
+    import tensorflow as tf  # noqa: E402
 
 import tf_checkpointing as tc  # noqa: E402
-from benchmarks.whole_model import build  # noqa: E402
+from benchmarks.report import MIB  # noqa: E402
+from benchmarks.whole_model.models import MODELS, build  # noqa: E402
 
 
-def main(name: str, what: str, rounds: int = 7, fraction: float = 0.5) -> None:
-    if what not in ("timing", "least", "budget"):
-        raise SystemExit(f"whole_model_followup.py: expected timing, least or budget after "
-                         f"the model name; received {what!r} (see the module docstring)")
-    model, batch_of, _, batch = build(name, False)
+def main(name: str, what: str, rounds: int = 7, fraction: float = 0.5,
+         tiny: bool = False) -> None:
+    model, batch_of, _, batch = build(name, tiny)
     x = batch_of(batch)
     model(x)
     optimizer = keras.optimizers.SGD(1e-3)
@@ -57,29 +61,29 @@ def main(name: str, what: str, rounds: int = 7, fraction: float = 0.5) -> None:
         return step
 
     # Plans first, on the fresh allocator, as on a user's first step (and as
-    # whole_model.py makes them): per-call readings taken after other steps are larger.
+    # run.py makes them): per-call readings taken after other steps are larger.
     least = tc.plan_model(model, x, budget="min", mode="graph")
     if what == "budget":
         budget = int(least.min_budget_bytes + fraction * (least.plain_peak_bytes
                                                           - least.min_budget_bytes))
         tc.apply_checkpointing(model, budget=budget)
         ours = make_step()  # plans here, on the first training step
-        peaks = [tc.peak_memory(lambda: ours(x).numpy()) / 2**20 for _ in range(5)]
-        print(json.dumps({"model": name, "fraction": fraction, "budget_mib": budget / 2**20,
+        peaks = [tc.measure(lambda: ours(x).numpy()).peak_bytes / MIB for _ in range(5)]
+        print(json.dumps({"model": name, "fraction": fraction, "budget_mib": budget / MIB,
                           "peaks_mib": [round(p, 1) for p in peaks],
-                          "largest_x_budget": max(peaks) / (budget / 2**20)}))
+                          "largest_x_budget": max(peaks) / (budget / MIB)}))
         return
     if what == "timing":
         half = tc.plan_model(model, x, mode="graph",
                              budget=(least.min_budget_bytes + least.plain_peak_bytes) // 2)
     plain = make_step()
     if what == "least":
-        before = tc.peak_memory(lambda: plain(x).numpy())
+        before = tc.measure(lambda: plain(x).numpy()).peak_bytes
         tc.apply_checkpointing(model, plan=least)
         ours = make_step()
-        print(json.dumps({"model": name, "plain": before / 2**20,
-                          "min": tc.peak_memory(lambda: ours(x).numpy()) / 2**20,
-                          "min_predicted": least.predicted_peak_bytes / 2**20}))
+        print(json.dumps({"model": name, "plain": before / MIB,
+                          "min": tc.measure(lambda: ours(x).numpy()).peak_bytes / MIB,
+                          "min_predicted": least.predicted_peak_bytes / MIB}))
         return
     tc.apply_checkpointing(model, plan=half)
     ours = make_step()
@@ -90,16 +94,29 @@ def main(name: str, what: str, rounds: int = 7, fraction: float = 0.5) -> None:
             step(x).numpy()
             times[key].append(time.perf_counter() - started)
     ratio = statistics.median(times["half"]) / statistics.median(times["plain"])
-    print(json.dumps({"model": name, "ratio": ratio, "regions": len(half.spans),
+    print(json.dumps({"model": name, "ratio": ratio, "regions": len(half.regions),
                       "extra_forward": half.extra_forward_layers, "rounds": rounds,
                       "predicted_extra_ms": 1000 * (half.predicted_extra_seconds or 0),
                       "measured_extra_ms": 1000 * (statistics.median(times["half"])
                                                    - statistics.median(times["plain"]))}))
 
 
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("model", choices=MODELS)
+    parser.add_argument("what", choices=("timing", "least", "budget"),
+                        help="what to measure (see the module docstring)")
+    parser.add_argument("value", nargs="?", type=float,
+                        help="timing: rounds (default 7); budget: the fraction of the way "
+                             "from the least budget to plain (default 0.5)")
+    parser.add_argument("--tiny", action="store_true", help="small shapes (smoke test)")
+    return parser.parse_args(argv)
+
+
 if __name__ == "__main__":
-    name, what, *rest = sys.argv[1:]
-    if what == "timing":  # timing [ROUNDS]
-        main(name, what, rounds=int(rest[0]) if rest else 7)
-    else:  # budget F
-        main(name, what, fraction=float(rest[0]) if rest else 0.5)
+    args = parse_args()
+    if args.what == "timing":
+        main(args.model, args.what, rounds=int(args.value or 7), tiny=args.tiny)
+    else:
+        main(args.model, args.what, fraction=0.5 if args.value is None else args.value,
+             tiny=args.tiny)
