@@ -226,3 +226,21 @@ def run_script(code):
                           text=True, timeout=600, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
+
+
+def with_spans(plan, spans, policies=(), mode=None):
+    """``plan`` (a ModelPlan) with its checkpointed regions set to ``spans``:
+    ``(start, stop, inner spans)`` call ranges, each under the policy at its
+    position in ``policies`` (a test forcing regions by position; by name, use
+    ``ModelPlan.from_regions``)."""
+    import dataclasses
+
+    from tf_checkpointing.planning._plan import pieces_of_spans
+
+    return dataclasses.replace(plan, pieces=pieces_of_spans(0, len(plan.names), spans, policies),
+                               mode=mode or plan.mode)
+
+
+def plan_of(names, spans, mode="graph"):
+    """A ModelPlan of a model whose calls are ``names``, checkpointing ``spans``."""
+    return with_spans(tc.ModelPlan(names=tuple(names), pieces=(), mode=mode), spans)

@@ -8,13 +8,12 @@ Also state a forward creates (Keras' global SeedGenerator, made by the first
 unseeded draw): found together with the losses, on keras.applications models.
 """
 
-import dataclasses
 
 import keras
 import numpy as np
 import tensorflow as tf
 from conftest import compile_step
-from helpers import assert_all_close
+from helpers import assert_all_close, with_spans
 
 import tf_checkpointing as tc
 
@@ -76,7 +75,7 @@ X = tf.random.stateless_normal([8, 8], [1, 2])
 def test_a_region_with_added_losses_gets_their_gradients(mode):
     plain, ours = _twins()
     least = tc.plan_model(ours, X, budget="min", mode="eager")
-    tc.apply_checkpointing(ours, plan=dataclasses.replace(least, spans=((0, 3, ()),)))
+    tc.apply_checkpointing(ours, plan=with_spans(least, ((0, 3, ()),)))
     expected, got = _step(plain, X, mode), _step(ours, X, mode)
     assert got[2] == expected[2] == 2  # listed once: not again after the replay
     assert_all_close(got[1], expected[1])
@@ -88,7 +87,7 @@ def test_a_region_with_added_losses_gets_their_gradients(mode):
 def test_fit_with_added_losses_in_a_region_trains_as_plain():
     plain, ours = _twins()
     least = tc.plan_model(ours, X, budget="min", mode="graph")
-    tc.apply_checkpointing(ours, plan=dataclasses.replace(least, spans=((0, 3, ()),)))
+    tc.apply_checkpointing(ours, plan=with_spans(least, ((0, 3, ()),)))
     y = tf.random.stateless_normal([8, 2], [3, 4])
     for model in (plain, ours):
         model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")

@@ -12,14 +12,13 @@ warning otherwise) and says it is an added loss, which the caller never returned
 exact, and nothing is flagged.
 """
 
-import dataclasses
 import warnings
 
 import keras
 import pytest
 import tensorflow as tf
 from conftest import compile_step
-from helpers import assert_all_close
+from helpers import assert_all_close, with_spans
 
 import tf_checkpointing as tc
 from tf_checkpointing.core import _structure
@@ -100,7 +99,7 @@ def test_a_region_whose_model_output_feeds_its_loss_says_so(stop, message):
     model = _two_outputs()
     least = tc.plan_model(model, X, budget="min", mode="eager")
     assert least.call_names[0] == "reg"
-    plan = dataclasses.replace(least, spans=((0, stop, ()),))
+    plan = with_spans(least, ((0, stop, ()),))
     tc.apply_checkpointing(model, plan=plan, check=True)
     with pytest.raises(ValueError, match=message), tf.GradientTape():
         model(X, training=True)

@@ -171,6 +171,8 @@ def test_unfreezing_plans_the_chain_anew():
 
 
 CHAIN = STEP + """
+import sys
+sys.path.insert(0, "tests/planning")  # the scripts run from the repository's root
 from test_chain_frozen import frozen_blocks, model_of
 
 x = tf.random.normal([16, 64, 64, 32])

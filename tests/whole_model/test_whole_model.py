@@ -5,14 +5,13 @@ plan and run again: outputs, input and variable gradients and the state
 (BatchNorm statistics, dropout seeds) must equal the plain run's.
 """
 
-import dataclasses
 import warnings
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import Replays, assert_all_close, grads_of, residual_net
+from helpers import Replays, assert_all_close, grads_of, residual_net, with_spans
 
 import tf_checkpointing as tc
 
@@ -91,7 +90,7 @@ def test_gradients_and_state_equal_plain(name, mode):
         # 0.05 plain for the U-Net), and what is tested here is the replay. Two
         # regions, the first call and the rest but the last, then.
         n = len(plan.call_names)
-        plan = dataclasses.replace(plan, spans=((0, 1, ()), (1, n - 1, ())))
+        plan = with_spans(plan, ((0, 1, ()), (1, n - 1, ())))
     replays = _count_replays(model)
     assert tc.apply_checkpointing(model, plan=plan) == [model]
     ours = _run(model, inputs, mode)
@@ -330,7 +329,7 @@ def test_nested_regions_equal_plain(mode):
     least = tc.plan_model(model, inputs[0], budget="min", mode="eager")
     n = len(least.call_names)  # stem, 3 x (conv bn relu drop count add), pool, head
     spans = ((1, n - 2, ((1, 7, ()), (7, 13, ()))),)
-    plan = dataclasses.replace(least, spans=spans)
+    plan = with_spans(least, spans)
     assert plan.regions[0][0] == list(least.call_names[1:7])
     assert plan.extra_forward_layers == (n - 3) + 12
     tc.apply_checkpointing(model, plan=plan)
@@ -378,7 +377,7 @@ def test_a_model_output_that_feeds_another_in_one_region_is_flagged():
     model(inputs)
     plan = tc.plan_model(model, inputs, budget="min", mode="eager")
     assert plan.call_names[:3] == ("h", "y1", plan.call_names[2]), plan.call_names
-    plan = dataclasses.replace(plan, spans=((0, 3, ()),))  # h, y1 and the next Dense
+    plan = with_spans(plan, ((0, 3, ()),))  # h, y1 and the next Dense
     tc.apply_checkpointing(model, plan=plan, check=True)
     with pytest.raises(ValueError, match=r"output\(s\) \[0\].*would miss the path"):
         grads_of(lambda x: model(x, training=True), [inputs], model.trainable_variables,
@@ -441,7 +440,7 @@ def test_force_seed_with_nested_regions_runs_eagerly():
     model(inputs[0])
     least = tc.plan_model(model, inputs[0], budget="min", mode="eager")
     n = len(least.call_names)
-    nested_plan = dataclasses.replace(least, spans=((0, n, ((0, n - 1, ()),)),))
+    nested_plan = with_spans(least, ((0, n, ((0, n - 1, ()),)),))
     before = [v.numpy() for v in model.variables]
     plain = _run(model, inputs, "eager")
     for variable, value in zip(model.variables, before):

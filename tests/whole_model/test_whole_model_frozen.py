@@ -7,14 +7,13 @@ under a trainable head it put the plain step at 189 MiB against 32 MiB
 measured, and refused every budget below 57 MiB.
 """
 
-import dataclasses
 import json
 import warnings
 
 import keras
 import pytest
 import tensorflow as tf
-from helpers import STEP, assert_all_close, grads_of, partly_frozen, run_script
+from helpers import STEP, assert_all_close, grads_of, partly_frozen, run_script, with_spans
 
 import tf_checkpointing as tc
 from tf_checkpointing.planning._frozen import backprop_calls
@@ -56,7 +55,7 @@ def test_regions_over_frozen_layers_equal_plain(mode):
     spans = ((0, names.index("add0") + 1, ()),
              (names.index("conv1"), names.index("add2") + 1, ()),
              (names.index("conv3"), names.index("add3") + 1, ()))
-    tc.apply_checkpointing(model, plan=dataclasses.replace(plan, spans=spans))
+    tc.apply_checkpointing(model, plan=with_spans(plan, spans))
     ours = _run(model, x, mode)
     assert_all_close(ours[0], plain[0])
     assert_all_close(ours[1], plain[1], atol=1e-5)
@@ -116,8 +115,7 @@ def test_a_frozen_backbone_is_planned_as_the_step_runs():
 
 
 MIXED_REGION = STEP + """
-from helpers import partly_frozen
-from tf_checkpointing.planning import ModelPlan
+from helpers import partly_frozen, plan_of
 
 x = tf.random.normal([16, 32, 32, 3])
 keras.utils.set_random_seed(0)
@@ -129,7 +127,7 @@ plain = sorted(tc.measure(lambda: step(x).numpy()).peak_bytes for _ in range(3))
 # One region from the input over the stem and the four frozen blocks (calls 0-20)
 # into the first trainable block's Conv-BN-ReLU-Dropout (21-24).
 names = tuple(layer.name for layer in model.layers[1:])
-tc.apply_checkpointing(model, plan=ModelPlan(names, ((0, 25, ()),), "graph", None, 0, 0, 0))
+tc.apply_checkpointing(model, plan=plan_of(names, ((0, 25, ()),)))
 step = make_step(model)
 step(x)
 region = sorted(tc.measure(lambda: step(x).numpy()).peak_bytes for _ in range(3))

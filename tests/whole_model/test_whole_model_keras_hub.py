@@ -4,13 +4,12 @@ the whole-model runner, one replayed under each save policy and one in full.
 Gradients (the token embedding's sparse one included) and the dropout seed
 state equal plain's under ``tf.function`` and XLA."""
 
-import dataclasses
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import assert_all_close, grads_of
+from helpers import assert_all_close, grads_of, with_spans
 
 import tf_checkpointing as tc
 from tf_checkpointing import policies
@@ -51,10 +50,9 @@ def test_gpt2_blocks_replayed_under_policies_equal_plain(mode):
     least = tc.plan_model(model, x, budget="min", mode="eager")
     names = list(least.call_names)
     blocks = [names.index(f"transformer_layer_{i}") for i in range(3)]
-    plan = dataclasses.replace(
-        least, mode=mode, spans=tuple((b, b + 1, ()) for b in blocks),
-        region_policies=(policies.dots_saveable,
-                         policies.dots_with_no_batch_dims_saveable, None))
+    plan = with_spans(least, tuple((b, b + 1, ()) for b in blocks),
+                      (policies.dots_saveable, policies.dots_with_no_batch_dims_saveable, None),
+                      mode=mode)
     tc.apply_checkpointing(model, plan=plan)
     ours = _run(model, x, mode)
     assert_all_close(ours[0], plain[0])

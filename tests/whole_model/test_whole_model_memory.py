@@ -93,7 +93,7 @@ def test_resnet50_example_runs_tiny():
 
 TOKENS_SCRIPT = STEP + textwrap.dedent("""
     from tf_checkpointing import plan_model
-    from tf_checkpointing.planning._plan import ModelPlan
+    from helpers import plan_of
 
     keras.utils.set_random_seed(0)
     ids = keras.Input((64,), batch_size=16, dtype="int32")
@@ -132,7 +132,7 @@ def test_a_region_with_only_integer_inputs_replays_when_its_gradient_arrives():
 
 TWO_OUTPUTS_SCRIPT = STEP + textwrap.dedent("""
     from tf_checkpointing import plan_model
-    from tf_checkpointing.planning._plan import ModelPlan
+    from helpers import plan_of
 
     keras.utils.set_random_seed(0)
 
@@ -154,7 +154,7 @@ TWO_OUTPUTS_SCRIPT = STEP + textwrap.dedent("""
     names = list(plan_model(model, x, budget="min", mode="graph").call_names)
     cut = names.index("b_conv0")
     spans = ((0, cut, ()), (cut, names.index("out"), ()))
-    tc.apply_checkpointing(model, plan=ModelPlan(tuple(names), spans, "graph", None, 0, 0, 0))
+    tc.apply_checkpointing(model, plan=plan_of(tuple(names), spans))
     step = make_step(model)
     step(x)
     peak = min(tc.measure(lambda: step(x).numpy()).peak_bytes for _ in range(3))
@@ -174,7 +174,7 @@ def test_a_region_replays_when_all_its_output_gradients_arrived():
 
 
 OUTPUT_GRADIENT_SCRIPT = STEP + textwrap.dedent("""
-    from tf_checkpointing.planning._plan import ModelPlan
+    from helpers import plan_of
 
     keras.utils.set_random_seed(0)
     x_in = keras.Input((32, 32, 32))
@@ -202,7 +202,7 @@ OUTPUT_GRADIENT_SCRIPT = STEP + textwrap.dedent("""
 
     plain = peak()
     names = tuple(layer.name for layer in model.layers[1:])
-    tc.apply_checkpointing(model, plan=ModelPlan(names, ((0, 3, ()),), "graph", None, 0, 0, 0))
+    tc.apply_checkpointing(model, plan=plan_of(names, ((0, 3, ()),)))
     step = tf.function(step.python_function)
     print("RESULT", json.dumps({"plain": plain, "region": peak(),
                                 "tensor": 16 * 32 * 32 * 32 * 4}))

@@ -208,4 +208,4 @@ def test_a_plan_with_policies_keeps_its_budget(request, monkeypatch):
         peak = min(tc.measure(lambda step=step: step(x).numpy()).peak_bytes for _ in range(3))
         results.append((fraction, peak / 2**20, budget / 2**20, str(plan)))
         assert peak <= budget, results
-    assert any("replayed with" in r[3] for r in results), results
+    assert any("checkpointed with" in r[3] for r in results), results
