@@ -110,7 +110,7 @@ TOKENS_SCRIPT = STEP + textwrap.dedent("""
     # and the first block; then one region per block.
     blocks = [i + 1 for i, n in enumerate(names) if n.startswith("add")]
     cuts = [0] + blocks
-    plan = ModelPlan.from_regions(model, [names[a:c] for a, c in zip(cuts, cuts[1:])])
+    plan = tc.ModelPlan.from_regions(model, [names[a:c] for a, c in zip(cuts, cuts[1:])])
     tc.apply_checkpointing(model, plan=plan)
     step = make_step(model)
     step(x)
