@@ -19,7 +19,7 @@ import wrapt
 
 from tf_checkpointing._options import _OPTION_NAMES, _is_symbolic, _Options, dispatch
 from tf_checkpointing.core._internals import symbolic_scope
-from tf_checkpointing.core._recompute import layer_state, needs_checkpoint
+from tf_checkpointing.core._recompute import needs_checkpoint
 
 __all__: list[str] = []
 
@@ -73,7 +73,7 @@ class CheckpointedLayer(wrapt.ObjectProxy):
         given: dict[str, Any] = next(
             (opts for proxy, opts in reversed(_pending_options()) if proxy is self), {})
         return dispatch(call, args, {**kwargs, **given}, self._self_options,
-                        state=lambda: layer_state(self.__wrapped__))
+                        layer=self.__wrapped__)
 
     def __repr__(self) -> str:
         return f"<checkpointable {self.__wrapped__!r}>"

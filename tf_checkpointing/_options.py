@@ -12,7 +12,7 @@ overhead on the hot path of every layer call.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any, Callable, Union
 
 import keras
@@ -20,7 +20,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_checkpointing import policies
-from tf_checkpointing.core._recompute import checkpointed_call, needs_checkpoint
+from tf_checkpointing.core._recompute import checkpointed_call, layer_state, needs_checkpoint
 
 __all__: list[str] = []
 
@@ -38,9 +38,10 @@ class _Options:
 
 
 def dispatch(fn: Callable[..., Any], args: tuple, kwargs: dict, options: _Options,
-             state: Callable[[], Sequence[Any]] = tuple) -> Any:
-    """Runs one call: directly, or checkpointed (``state()``: the variables it
-    may read and then write, see ``checkpointed_call``)."""
+             layer: Any = None) -> Any:
+    """Runs one call: directly, or checkpointed (``layer``: the Keras layer whose
+    ``call`` ``fn`` is, whose state an eager forward reads first, see
+    ``checkpointed_call``)."""
     checkpoint, force_seed, watch_vars = options.checkpoint, options.force_seed, ()
     policy = options.policy
     if kwargs and not _OPTION_NAMES.isdisjoint(kwargs):
@@ -62,7 +63,8 @@ def dispatch(fn: Callable[..., Any], args: tuple, kwargs: dict, options: _Option
         return fn(*args, **kwargs)
     return checkpointed_call(
         fn, args, kwargs, watch_vars=watch_vars, force_seed=force_seed, check=options.check,
-        policy=policy, state=state() if tf.executing_eagerly() else (),
+        policy=policy,
+        state=layer_state(layer) if layer is not None and tf.executing_eagerly() else (),
     )
 
 

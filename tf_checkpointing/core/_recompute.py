@@ -50,7 +50,6 @@ from tf_checkpointing.core._replay_check import (
 from tf_checkpointing.core._state import StateRecorder, replayed_state
 from tf_checkpointing.core._structure import (
     Flattened,
-    is_differentiable,  # noqa: F401 (re-exported for planning)
     refuse_chained_outputs,
     refuse_opaque_outputs,
 )

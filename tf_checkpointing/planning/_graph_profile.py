@@ -17,7 +17,7 @@ from typing import Any, Optional
 import keras
 import tensorflow as tf
 
-from tf_checkpointing.core._recompute import is_differentiable
+from tf_checkpointing.core._structure import is_differentiable
 from tf_checkpointing.planning._allocator import (
     Allocator,
     median,

@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 
 import tensorflow as tf
 
-from tf_checkpointing.core._recompute import is_differentiable
+from tf_checkpointing.core._structure import is_differentiable
 from tf_checkpointing.planning._allocator import Allocator, nbytes, sync
 from tf_checkpointing.planning._constants import TIMED_RUNS as _TIMED_RUNS
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_checkpointing.core._recompute import is_differentiable
+from tf_checkpointing.core._structure import is_differentiable
 from tf_checkpointing.planning._graph import GraphCall, LayerGraph, run_call
 
 __all__: list[str] = []
