@@ -11,7 +11,16 @@ core (:mod:`tf_checkpointing.core`: one checkpointed call and what keeps its
 replay exact), planning (:mod:`tf_checkpointing.planning`: profiles in, a plan
 out), and the API in this folder (the decorator, the Keras integration, and the
 runners of chains and models), which uses both.
+
+Importing it turns on TensorFlow's CPU memory statistics when that can still
+take effect (see :mod:`tf_checkpointing._cpu_statistics`).
 """
+
+from tf_checkpointing import _cpu_statistics
+
+_cpu_statistics.arrange()  # before TensorFlow creates its devices
+
+# ruff: noqa: E402 - the allocator is arranged before TensorFlow is used
 
 from tf_checkpointing import policies
 from tf_checkpointing._decorator import checkpointable

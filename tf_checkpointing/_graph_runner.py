@@ -51,7 +51,7 @@ from tf_checkpointing.planning._graph import (
 from tf_checkpointing.planning._model import plan_graph
 from tf_checkpointing.planning._modes import step_mode
 from tf_checkpointing.planning._plan import ModelPlan, Segment
-from tf_checkpointing.planning._reuse import PlansByShape
+from tf_checkpointing.planning._reuse import PlansByShape, made_ahead
 from tf_checkpointing.planning._runner import PlanRunner
 
 __all__: list[str] = []
@@ -122,6 +122,7 @@ class GraphRunner:
         if self.fixed:
             self._expect_plan_mode(mode)
             return self.plan
+        self.plans.adopt(made_ahead(self.graph.model, self.budget, self.policies))
         plan, plan_anew = self.plans.find(mode, inputs, training=training)
         if not plan_anew:
             return plan

@@ -21,6 +21,7 @@ import keras
 import tensorflow as tf
 
 from tf_checkpointing._graph_runner import install, model_runner
+from tf_checkpointing.planning._allocator import expect_statistics
 from tf_checkpointing.planning._budget import expect_budget
 from tf_checkpointing.planning._choices import expect_policies
 from tf_checkpointing.planning._constants import COSTLY_SELECTION_RATIO
@@ -28,6 +29,7 @@ from tf_checkpointing.planning._graph import functional_of, read_graph
 from tf_checkpointing.planning._model import plan_graph
 from tf_checkpointing.planning._modes import expect_mode
 from tf_checkpointing.planning._plan import ModelPlan
+from tf_checkpointing.planning._reuse import remember
 
 __all__ = ["plan_model"]
 
@@ -61,7 +63,10 @@ def plan_model(model: Any, inputs: Any, *, budget: Union[int, float, str], mode:
     back), and picks the regions of consecutive calls to run checkpointed,
     with the least recomputation whose predicted peak fits ``budget`` (see
     :mod:`tf_checkpointing.planning._regions` for the algorithm). The model is
-    not changed: pass the plan to ``apply_checkpointing(model, plan=plan)``.
+    not changed: pass the plan to ``apply_checkpointing(model, plan=plan)``, or
+    call ``apply_checkpointing(model, budget=...)`` with the same budget (and
+    policies): its training calls run this plan where they would plan the same,
+    and where they cannot plan (a ``fit`` whose batch size is unknown).
 
     A region of a ``tf.function`` or XLA plan may be replayed under a save
     policy: it keeps what the policy picks inside it besides its inputs, and
@@ -118,8 +123,12 @@ def plan_model(model: Any, inputs: Any, *, budget: Union[int, float, str], mode:
     candidates = expect_policies(policies, api)
     graph = read_graph(model, api)
     _expect_inputs(model, graph, inputs, api)
-    return plan_graph(graph, inputs, checked, mode=mode, api=api, runner=model_runner(graph),
+    plan = plan_graph(graph, inputs, checked, mode=mode, api=api, runner=model_runner(graph),
                       policies=candidates)
+    # apply_checkpointing(model, budget=...) runs it where it would plan the same
+    # (a fit whose batch size is unknown, see planning._reuse).
+    remember(model, inputs, checked, candidates, plan)
+    return plan
 
 
 def _expect_inputs(model: Any, graph: Any, inputs: Any, api: str) -> None:
@@ -157,6 +166,8 @@ def checkpoint_whole_model(model: Any, *, budget: Any = None,
             "policies=...) as plan=, or budget=... with policies=..."
         )
     checked = None if plan is not None else expect_budget(budget, _API)
+    if checked is not None:
+        expect_statistics(_API)
     install(model, plan=plan, budget=checked, force_seed=force_seed, check=check,
             policies=candidates)
 

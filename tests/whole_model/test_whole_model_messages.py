@@ -2,6 +2,8 @@
 name work: only arguments the raising API has, and, for an unknown batch size
 (Model.fit with a partial last batch), fixes that actually train."""
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -52,6 +54,29 @@ def test_a_plan_made_ahead_trains_with_a_partial_last_batch():
     model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(4), epochs=1, verbose=0,
               shuffle=False)
     assert model.call.plan is plan  # never planned again
+
+
+def test_a_budget_runs_the_plan_made_ahead_for_it_where_the_batch_is_unknown():
+    """keras_hub's task models (GPT2CausalLM) trace ``fit`` with an unknown batch
+    size from the first step: a plan_model made on one batch, for the same budget,
+    is what apply_checkpointing(budget=...) runs there, with no warning."""
+    x, y = _data()
+    model = _mlp()
+    plan = tc.plan_model(model, x[:4], budget="min", mode="graph")
+    tc.apply_checkpointing(model, budget="min")
+    model.compile("sgd", "mse")
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(4)  # (None, 4) batches
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.fit(dataset, epochs=1, verbose=0, shuffle=False)
+    assert model.call.plan is plan
+    # Another budget is another plan: it is not run, and the unknown batch is refused.
+    other = _mlp()
+    tc.plan_model(other, x[:4], budget=10**9, mode="graph")
+    tc.apply_checkpointing(other, budget="min")
+    other.compile("sgd", "mse")
+    with pytest.raises(ValueError, match="needs the full input shape"):
+        other.fit(dataset, epochs=1, verbose=0, shuffle=False)
 
 
 def test_plan_model_on_a_symbolic_input_says_pass_a_concrete_batch():

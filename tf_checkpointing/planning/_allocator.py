@@ -19,7 +19,7 @@ import keras
 import tensorflow as tf
 
 from tf_checkpointing.core._internals import control_flow_util
-from tf_checkpointing.core._memory import grow_cpu_pool
+from tf_checkpointing.core._memory import grow_cpu_pool, statistics_status
 
 __all__: list[str] = []
 
@@ -55,6 +55,28 @@ class Allocator:
 
     def peak_since_mark(self) -> int:
         return int(tf.config.experimental.get_memory_info(self.device)["peak"])
+
+
+def expect_statistics(api: str) -> None:
+    """Raises at once, with the fix, when planning for a budget could not read the
+    allocator of the device a training step will use (the first GPU, else the
+    CPU): better when ``apply_checkpointing`` is called than at the first
+    training step, inside Keras' ``fit``."""
+    device = "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
+    status = statistics_status(device)
+    if status == "available":
+        return
+    state = os.environ.get(_BFC_ENV_VAR)
+    cause = ("TensorFlow had already created its devices when tf_checkpointing was "
+             "imported, so the import could not turn them on" if state is None else
+             f"{_BFC_ENV_VAR} is {state!r}")
+    by_import = ("import tf_checkpointing before running any TensorFlow op (it then "
+                 "turns them on), or " if state is None else "")
+    raise RuntimeError(
+        f"{api}: planning for a memory budget measures each layer with the {device} "
+        f"allocator, but its memory statistics are {status} ({cause}). Fix: {by_import}"
+        f"set {_BFC_ENV_VAR}=true before TensorFlow starts (`{_BFC_ENV_VAR}=true python "
+        f"train.py`){_without_measuring(api)}.")
 
 
 def memory_device(inputs: Any, api: str) -> str:

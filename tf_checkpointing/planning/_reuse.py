@@ -12,13 +12,16 @@ of unknown size (traced with a None batch dimension: an epoch's last under
 ``reduce_retracing``) no plan can be made: it runs the largest plan whose other
 dimensions are at least its own, of its mode or another, and warns that the
 budget holds only for batches no larger (it used to overrun the budget
-silently).
+silently). Plans that ``plan_model`` made for the model, for the same budget
+and policies, count as made (:func:`remember`): ``Model.fit`` on a dataset
+whose batch size is unknown then runs the plan made ahead on one batch.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
+import weakref
 from typing import Any, Generic, Optional, TypeVar
 
 import tensorflow as tf
@@ -29,6 +32,24 @@ from tf_checkpointing.planning._allocator import unknown_dimensions
 __all__: list[str] = []
 
 Plan = TypeVar("Plan")
+
+
+# Plans plan_model made, per model: (budget, policies, mode, input specs, plan).
+_MADE_AHEAD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def remember(model: Any, inputs: Any, budget: Any, policies: tuple, plan: Any) -> None:
+    """Notes that ``plan`` was made for ``model`` on ``inputs`` for ``budget``."""
+    specs = [tf.TensorSpec(leaf.shape, leaf.dtype) for leaf in tf.nest.flatten(inputs)
+             if hasattr(leaf, "shape")]
+    _MADE_AHEAD.setdefault(model, []).append((budget, policies, plan.mode, specs, plan))
+
+
+def made_ahead(model: Any, budget: Any, policies: tuple) -> list[tuple[str, list, Any]]:
+    """``(mode, input specs, plan)`` of each plan :func:`remember` noted for
+    ``model`` with this budget and these policies."""
+    return [(mode, specs, plan) for made_for, chosen, mode, specs, plan
+            in _MADE_AHEAD.get(model, ()) if made_for == budget and chosen == policies]
 
 
 class PlansByShape(Generic[Plan]):
@@ -51,6 +72,7 @@ class PlansByShape(Generic[Plan]):
         self.api = api
         self._made: dict[str, list[tuple[tuple, Plan]]] = {}
         self._warned: set[str] = set()  # modes told that an unknown batch runs a plan
+        self._ahead: set[int] = set()  # ids of the plans plan_model made (adopt)
 
     def find(self, mode: str, inputs: Any, *, training: Any) -> tuple[Optional[Plan], bool]:
         """``(plan, plan_anew)`` for a call in ``mode`` on ``inputs``: a plan
@@ -79,7 +101,9 @@ class PlansByShape(Generic[Plan]):
         if not fitting:
             return None, True
         planned_mode, planned, plan = fitting[-1]
-        if mode not in self._warned:
+        # A plan made ahead for this mode, on the batch the user chose: as asked.
+        asked = planned_mode == mode and id(plan) in self._ahead
+        if mode not in self._warned and not asked:
             self._warned.add(mode)
             other = "" if planned_mode == mode else (
                 f" and for {planned_mode} steps (its predicted peak is theirs)")
@@ -108,6 +132,14 @@ class PlansByShape(Generic[Plan]):
         made = self._made.setdefault(mode, [])
         made.append((_shapes(inputs), plan))
         made.sort(key=lambda entry: _elements(entry[0]))
+
+    def adopt(self, made: list[tuple[str, Any, Plan]]) -> None:
+        """Keeps the plans of ``made`` (``(mode, inputs, plan)``) not kept yet."""
+        kept = {id(plan) for plans in self._made.values() for _, plan in plans}
+        for mode, inputs, plan in made:
+            if id(plan) not in kept:
+                self.add(mode, inputs, plan)
+                self._ahead.add(id(plan))
 
     def plans(self, mode: str) -> list[Plan]:
         """The plans made in ``mode``, smallest batch first."""
