@@ -83,7 +83,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", dest="size", action="store_const", const="quick",
-                      help="small shapes, under 2 minutes on 2 CPU cores (default)")
+                      help="small shapes, tf.function only, strategies "
+                           f"{', '.join(DEFAULT_STRATEGIES['quick'])}: about 2 minutes on "
+                           "2 idle CPU cores (default)")
     size.add_argument("--full", dest="size", action="store_const", const="full",
                       help="larger shapes, every model in every mode")
     size.add_argument("--tiny", dest="size", action="store_const", const="tiny",
@@ -93,12 +95,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help=f"comma-separated subset of {','.join(models.MODELS)}")
     parser.add_argument("--modes", type=_names(harness.MODES),
                         help=f"comma-separated subset of {','.join(harness.MODES)} "
-                             "(default: per size, see DEFAULT_MODES)")
+                             "(default: per size: --quick graph only, --full all, --tiny "
+                             "all on the MLP and graph on the others)")
     parser.add_argument("--strategies", type=_names(tuple(STRATEGIES)),
                         help=f"comma-separated subset of {','.join(STRATEGIES)}; plain "
-                             "always runs (it is the baseline); default: all (--quick: "
-                             "all but keras_remat, which is tf.recompute_grad on this "
-                             "backend)")
+                             "always runs (it is the baseline); default: per size. --full: "
+                             f"all. --quick: {', '.join(DEFAULT_STRATEGIES['quick'])}; not "
+                             "keras_remat (tf.recompute_grad on this backend), sqrt_segments, "
+                             "the save policies, nor the plans at half of plain's peak "
+                             f"({', '.join(_PLANNED_POLICIES)}). --tiny: "
+                             f"{', '.join(DEFAULT_STRATEGIES['tiny'])}")
     parser.add_argument("--repeats", type=int, help="timed steps per strategy (>= 5 "
                         "for reported numbers; default 5 quick, 7 full; at least "
                         f"{TARGET_REPEATS} for the targets' model and mode)")

@@ -47,3 +47,48 @@ def test_the_api_reference_lists_every_public_name():
                                 (REPO / "docs" / "api.md").read_text(), re.MULTILINE))
     assert documented == set(tf_checkpointing.__all__)
     assert len(tf_checkpointing.__all__) <= 30
+
+
+def test_every_readme_snippet_runs():
+    """The README's examples are the first a reader copies: none of them is left out as
+    reader-supplied."""
+    total = len(BLOCK.findall((REPO / "README.md").read_text()))
+    ran = [p for p in _blocks() if p.id.startswith("README.md[")]
+    assert total >= 3 and len(ran) == total
+
+
+def _range(cell):
+    """'0.20-0.21' or '0.19' (bold and notes after the number allowed) -> (low, high)."""
+    low, _, high = re.match(r"\**([\d.]+(?:-[\d.]+)?)", cell).group(1).partition("-")
+    return float(low), float(high or low)
+
+
+def test_readme_results_table_spans_the_committed_main_job():
+    """Each ratio in the README's results table is a range over runs of `python
+    benchmarks/run.py`, and the committed run (benchmarks/results/quick.json) is one of
+    them: regenerating the committed results means updating the README's table."""
+    import json
+
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("## Results"):readme.index("## Documentation")]
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")]
+            for line in section.splitlines() if line.startswith("| ") and "---" not in line]
+    header, rows = rows[0], rows[1:]
+    committed = json.loads((REPO / "benchmarks/results/quick.json").read_text())["results"]
+    by_key = {(r["model"], r["strategy"]): r for r in committed}
+    columns = {"peak memory x plain": "memory_ratio", "step time x plain": "time_ratio",
+               "largest batch in budget x plain": "batch_ratio"}
+    models = {"GPT-2": "gpt2", "U-Net": "unet", "MLP": "mlp"}
+    strategies = {"tf.recompute_grad": "recompute_grad", "checkpointable": "checkpointable",
+                  "CheckpointedSequential": "budget_plan"}
+    model = None
+    checked = 0
+    for row in rows:
+        model = next((m for label, m in models.items() if row[0].startswith(label)), model)
+        strategy = next(s for label, s in strategies.items() if row[1].startswith(f"`{label}"))
+        result = by_key[(model, strategy)]
+        for name, key in columns.items():
+            low, high = _range(row[header.index(name)])
+            assert low <= round(result[key], 2) <= high, (model, strategy, name)
+            checked += 1
+    assert checked == 3 * 3 * len(columns)
