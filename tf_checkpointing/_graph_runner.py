@@ -51,6 +51,7 @@ from tf_checkpointing.planning._graph import (
 from tf_checkpointing.planning._model import plan_graph
 from tf_checkpointing.planning._modes import step_mode
 from tf_checkpointing.planning._plan import ModelPlan, Segment
+from tf_checkpointing.planning._plan_files import device_of_step, plan_key, read_plan, write_plan
 from tf_checkpointing.planning._reuse import PlansByShape, made_ahead
 from tf_checkpointing.planning._runner import PlanRunner
 
@@ -65,8 +66,10 @@ class GraphRunner:
     def __init__(self, graph: LayerGraph, *, plan: Optional[ModelPlan] = None,
                  budget: Optional[Budget] = None, mode: str = "auto",
                  original_call: Any = None, force_seed: bool = False,
-                 check: Any = False, policies: tuple[Any, ...] = ()) -> None:
+                 check: Any = False, policies: tuple[Any, ...] = (),
+                 plan_cache: Any = None) -> None:
         self.graph = graph
+        self.plan_cache = plan_cache  # a folder of plan files (see planning._plan_files)
         self.policies = policies  # the candidates for the plan made for `budget`
         self.force_seed, self.check = force_seed, check
         self.plan = plan  # the plan of the last call (given: the only one)
@@ -126,6 +129,15 @@ class GraphRunner:
         plan, plan_anew = self.plans.find(mode, inputs, training=training)
         if not plan_anew:
             return plan
+        key = None
+        if self.plan_cache is not None:
+            key = plan_key(self.graph, inputs, mode=mode, budget=self.budget,
+                           policies=self.policies, frozen=backprop_calls(self.graph),
+                           device=device_of_step())
+            plan = read_plan(self.plan_cache, key, self.graph, _API)
+            if plan is not None:
+                self.plans.add(mode, inputs, plan)
+                return plan
         profiled = AddedLosses(self._layers)
         try:
             assert self.budget is not None  # no plan given: a budget was
@@ -133,6 +145,8 @@ class GraphRunner:
                               runner=model_runner(self.graph), policies=self.policies)
         finally:  # the profile's layer calls add losses of their own
             profiled.take()
+        if key is not None:
+            write_plan(self.plan_cache, key, plan)
         self.plans.add(mode, inputs, plan)
         return plan
 
@@ -256,7 +270,7 @@ def model_runner(graph: LayerGraph) -> PlanRunner:
 
 def install(model: Any, *, plan: Optional[ModelPlan] = None, budget: Optional[Budget] = None,
             mode: str = "auto", force_seed: bool = False, check: Any = False,
-            policies: tuple[Any, ...] = ()) -> GraphRunner:
+            policies: tuple[Any, ...] = (), plan_cache: Any = None) -> GraphRunner:
     """Makes ``model`` run its graph by ``plan`` (or by the plan for ``budget``
     made on its first training call): replaces the instance's ``call``."""
     graph = read_graph(model, _API)
@@ -277,7 +291,8 @@ def install(model: Any, *, plan: Optional[ModelPlan] = None, budget: Optional[Bu
     original = current.original_call if isinstance(current, GraphRunner) else None
     runner = GraphRunner(graph, plan=plan, budget=budget, mode=mode,
                          original_call=original or type(model).call,
-                         force_seed=force_seed, check=check, policies=policies)
+                         force_seed=force_seed, check=check, policies=policies,
+                         plan_cache=plan_cache)
     # Plain object.__setattr__: nothing for Keras or TensorFlow to track.
     object.__setattr__(model, "call", runner)
     return runner

@@ -47,6 +47,7 @@ def apply_checkpointing(
     check: Union[bool, str] = False,
     policy: Any = None,
     policies: Any = None,
+    plan_cache: Any = None,
 ) -> list[keras.layers.Layer]:
     """Checkpoints the chosen layers of an existing model, in place.
 
@@ -112,6 +113,13 @@ def apply_checkpointing(
             each region under, besides ``policies.reductions_saveable`` (as for
             :func:`plan_model`): None (none more), ``"auto"``, or a list of
             policies.
+        plan_cache: with ``budget``, a folder (``str`` or ``os.PathLike``) where
+            each plan made is saved, and where the next run finds it instead of
+            planning again: a plan is found only for the same model (layers,
+            weights' shapes), input shapes, dtype policy, mode, budget,
+            policies, trainable layers, device and versions of TensorFlow,
+            Keras and this package, so a plan for anything else is never
+            applied. None (the default): plans live in this process only.
 
     Returns:
         The layers now checkpointed, in model order (with ``budget`` or
@@ -160,9 +168,14 @@ def apply_checkpointing(
                 "policy=... for a save policy on chosen layers."
             )
         checkpoint_whole_model(model, budget=budget, plan=plan, force_seed=force_seed,
-                               check=check, policies=policies)
+                               check=check, policies=policies, plan_cache=plan_cache)
         _forget_traced_steps(model)
         return [model]
+    if plan_cache is not None:
+        raise TypeError(
+            "apply_checkpointing: argument `plan_cache` keeps the plans made for a "
+            f"`budget`, but layers were chosen with `select`; received plan_cache="
+            f"{plan_cache!r} with select. Pass budget=... with plan_cache=..., or drop it.")
     if policies is not None:
         raise TypeError(
             "apply_checkpointing: argument `policies` is for the planner (with `budget`), "

@@ -14,6 +14,7 @@ backward keeps, so the cost is predicted from shapes alone, before anything runs
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from typing import Any, Optional, Union
 
@@ -148,9 +149,11 @@ def _expect_inputs(model: Any, graph: Any, inputs: Any, api: str) -> None:
 
 def checkpoint_whole_model(model: Any, *, budget: Any = None,
                            plan: Optional[ModelPlan] = None, force_seed: bool = False,
-                           check: Any = False, policies: Any = None) -> None:
+                           check: Any = False, policies: Any = None,
+                           plan_cache: Any = None) -> None:
     """Installs the graph runner on ``model`` for ``plan``, or for ``budget``
-    (planned on the first training call, choosing among ``policies``)."""
+    (planned on the first training call, choosing among ``policies``, or read
+    from ``plan_cache``)."""
     if plan is not None and not isinstance(plan, ModelPlan):
         raise TypeError(
             f"{_API}: argument `plan` must be a ModelPlan from plan_model; received "
@@ -166,10 +169,17 @@ def checkpoint_whole_model(model: Any, *, budget: Any = None,
             "policies=...) as plan=, or budget=... with policies=..."
         )
     checked = None if plan is not None else expect_budget(budget, _API)
+    folder = isinstance(plan_cache, (str, os.PathLike))
+    if plan_cache is not None and (checked is None or not folder):
+        raise TypeError(
+            f"{_API}: argument `plan_cache` must be a folder (a str or os.PathLike) given "
+            f"with `budget`; received plan_cache={plan_cache!r}"
+            f"{' with plan' if checked is None else ''}. Pass e.g. budget='min', "
+            "plan_cache='plans/' (a plan given as plan= is saved with plan.to_config()).")
     if checked is not None:
         expect_statistics(_API)
     install(model, plan=plan, budget=checked, force_seed=force_seed, check=check,
-            policies=candidates)
+            policies=candidates, plan_cache=plan_cache)
 
 
 def warn_if_costly(model: Any, chosen: list[Any]) -> None:

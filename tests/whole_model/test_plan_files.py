@@ -71,3 +71,61 @@ def test_a_plan_that_no_longer_fits_the_model_is_refused():
     changed = keras.Model(x, keras.layers.Dense(2)(keras.layers.GlobalAveragePooling2D()(h)))
     with pytest.raises(ValueError, match=r"argument `plan` was made for another model"):
         tc.apply_checkpointing(changed, plan=tc.ModelPlan.from_config(config))
+
+
+def _cached_step(tmp_path, budget="min", build=None):
+    """A fresh model (same seed) with ``apply_checkpointing(budget=, plan_cache=)``,
+    and one traced training step run on it; returns the model."""
+    keras.utils.set_random_seed(0)
+    model = (build or residual_net)(count=False)
+    tc.apply_checkpointing(model, budget=budget, plan_cache=str(tmp_path))
+    x = tf.random.stateless_normal([4, 8, 8, 3], [0, 1])
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(x, training=True) ** 2)
+        return tape.gradient(loss, model.trainable_variables)
+
+    step()
+    return model
+
+
+def test_plan_cache_reads_the_plan_of_an_earlier_run_instead_of_planning(tmp_path, monkeypatch):
+    first = _cached_step(tmp_path)
+    files = list(tmp_path.glob("plan-*.json"))
+    assert len(files) == 1 and first.call.plan.regions
+    # The next run (a new model of the same architecture) plans nothing: it reads the file.
+    import tf_checkpointing._graph_runner as runner
+
+    def no_planning(*args, **kwargs):
+        raise AssertionError("planned again although the plan was saved")
+
+    monkeypatch.setattr(runner, "plan_graph", no_planning)
+    second = _cached_step(tmp_path)
+    assert second.call.plan.to_config() == first.call.plan.to_config()
+    monkeypatch.undo()
+    # Another budget is another question: planned, and saved beside the first.
+    _cached_step(tmp_path, budget=first.call.plan.plain_peak_bytes)
+    assert len(list(tmp_path.glob("plan-*.json"))) == 2
+
+
+def test_plan_cache_replans_over_a_file_it_cannot_use_and_says_which(tmp_path):
+    _cached_step(tmp_path)
+    (saved,) = tmp_path.glob("plan-*.json")
+    saved.write_text("{not json")
+    with pytest.warns(UserWarning, match=r"plan_cache.*cannot be used.*planning again"):
+        model = _cached_step(tmp_path)
+    assert model.call.plan.regions
+    assert json.loads(saved.read_text())["plan"] == model.call.plan.to_config()
+
+
+def test_plan_cache_refuses_what_is_not_a_folder_with_a_budget(tmp_path):
+    model = residual_net(count=False)
+    with pytest.raises(TypeError, match=r"`plan_cache` must be a folder.*received plan_cache=3"):
+        tc.apply_checkpointing(model, budget="min", plan_cache=3)
+    plan = tc.ModelPlan.from_regions(model, [["stem"]])
+    with pytest.raises(TypeError, match=r"`plan_cache`.*with plan"):
+        tc.apply_checkpointing(model, plan=plan, plan_cache=str(tmp_path))
+    with pytest.raises(TypeError, match=r"`plan_cache`.*with select"):
+        tc.apply_checkpointing(model, ["stem"], plan_cache=str(tmp_path))
