@@ -23,6 +23,7 @@ from typing import Any, Optional
 
 import tensorflow as tf
 
+from tf_checkpointing.planning import _progress
 from tf_checkpointing.planning._allocator import concrete_inputs, in_fresh_thread, in_xla_context
 from tf_checkpointing.planning._budget import Budget
 from tf_checkpointing.planning._cache import registered
@@ -78,7 +79,7 @@ def cached_plan(layers: list[Any], inputs: Any, budget: Budget, kwargs: dict[str
         trainable = None if not frozen else _variables(layers[frozen:])
         # Identical layers on equal shapes (a transformer's blocks) share one
         # graph profile, which cuts planning time (see docs/design.md#chain-planner).
-        with nothing_left(layers):
+        with nothing_left(layers), _progress.planning(api, f"a chain of {len(layers)} layers"):
             profile = profile_chain(calls, inputs, names=names, api=api, compiled=compiled,
                                     xla=xla, layer_keys=[layer_key(layer, kw) for layer, kw
                                                          in zip(layers, routed)],

@@ -18,6 +18,7 @@ import keras
 import tensorflow as tf
 
 from tf_checkpointing.core._structure import is_differentiable
+from tf_checkpointing.planning import _progress
 from tf_checkpointing.planning._allocator import (
     Allocator,
     median,
@@ -48,8 +49,9 @@ def graph_profile(calls, x, device, names, same_as, applied=False,
     graphs = [planning_function(call) if same_as[i] == i else call
               for i, call in enumerate(calls)]
     y = x
-    for graph in graphs:  # trace them before any reading
+    for k, graph in enumerate(graphs):  # trace them before any reading
         y = graph(y)
+        _progress.step("tracing layer calls", k + 1, len(graphs))
     # A replay runs inside the step's graph: it does not pay the launch of a
     # function per layer, which timing each layer's graph alone includes.
     identity = planning_function(_identity)
@@ -61,6 +63,7 @@ def graph_profile(calls, x, device, names, same_as, applied=False,
     grad_sizes: list[Any] = []
     y_grad_bytes = 0
     for i, call in enumerate(calls):
+        _progress.step("measuring layer calls", i + 1, len(calls))
         j = same_as[i]
         if j != i:  # the same computation as an earlier call: its readings
             layers.append(dataclasses.replace(layers[j], name=names[i]))

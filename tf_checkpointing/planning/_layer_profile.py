@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional
 import tensorflow as tf
 
 from tf_checkpointing.core._structure import is_differentiable
+from tf_checkpointing.planning import _progress
 from tf_checkpointing.planning._allocator import Allocator, nbytes, sync
 from tf_checkpointing.planning._constants import TIMED_RUNS as _TIMED_RUNS
 
@@ -115,7 +116,8 @@ def untaped_pass(calls, x, device, call_overhead: float = 0.0):
     """
     allocator = Allocator(device)
     peaks, seconds, sizes = [], [], [nbytes(x)]
-    for call in calls:
+    for k, call in enumerate(calls):
+        _progress.step("timing layer calls", k + 1, len(calls))
         before = allocator.mark()
         y = call(x)
         sync(y)
@@ -149,7 +151,8 @@ def taped_pass(calls, x, device, names, untaped, seconds, sizes) -> ChainProfile
     start = allocator.mark()
     forward: list[Any] = []  # per layer: (tape, input leaves, output leaves, variables)
     kept, fwd_peaks, highest = [], [], start
-    for call in calls:
+    for k, call in enumerate(calls):
+        _progress.step("measuring layer calls", k + 1, len(calls))
         before = allocator.mark()
         with tf.GradientTape() as tape:
             tape.watch([t for t in tf.nest.flatten(x) if is_differentiable(t)])

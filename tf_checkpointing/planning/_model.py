@@ -14,6 +14,7 @@ import dataclasses
 import math
 from typing import Any, Optional
 
+from tf_checkpointing.planning import _progress
 from tf_checkpointing.planning._budget import LEAST, Budget
 from tf_checkpointing.planning._constants import CHUNKS as _CHUNKS
 from tf_checkpointing.planning._constants import HEADROOM as _HEADROOM
@@ -50,7 +51,7 @@ def plan_graph(graph: LayerGraph, inputs: Any, budget: Budget, *, mode: str, api
     measured by running it with ``runner``. Every state the model owns is as it
     was before (see ``_no_trace``)."""
     _expect_layer_calls(graph, api)
-    with nothing_left([graph.model]):
+    with nothing_left([graph.model]), _progress.planning(api, f"`{graph.model.name}`"):
         return _plan_graph(graph, inputs, None if budget == LEAST else int(budget), mode=mode,
                            api=api, runner=runner, policies=policies)
 

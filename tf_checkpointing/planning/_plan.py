@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any, Optional, TypeVar, Union
 
 from tf_checkpointing import policies as save_policies
+from tf_checkpointing.planning._constants import HEADROOM
 from tf_checkpointing.planning._graph import read_graph
 from tf_checkpointing.planning._layer_profile import ChainProfile
 from tf_checkpointing.planning._modes import expect_mode
@@ -143,9 +144,14 @@ class Plan:
         head += f": {_count_of(self.num_layers, 'layer')}"
         if self.budget_bytes is not None:
             budget = "min" if self.budget_bytes == "min" else mib(self.budget_bytes)
-            head += (f", budget {budget} -> predicted peak {mib(self.predicted_peak_bytes)}"
-                     f" (plain {mib(self.plain_peak_bytes)}, least budget "
-                     f"{mib(self.min_budget_bytes)})")
+            head += f", budget {budget} -> predicted peak {mib(self.predicted_peak_bytes)}"
+            if self.predicted_peak_bytes and self.plain_peak_bytes:
+                head += (f" ({self.predicted_peak_bytes / self.plain_peak_bytes:.2f}x the "
+                         f"plain step's measured {mib(self.plain_peak_bytes)})")
+            else:
+                head += f" (plain step {mib(self.plain_peak_bytes)})"
+            head += (f"; smallest budget accepted {mib(self.min_budget_bytes)} (a plan's "
+                     f"predicted peak stays within {1 - HEADROOM:.0%} of its budget)")
         regions = sum(p.checkpointed for p in self.pieces)
         head += (f"; {_count_of(regions, 'checkpointed region')}, "
                  f"{_count_of(self.extra_forward_layers, 'extra layer forward')} "
@@ -153,7 +159,9 @@ class Plan:
         if self.policies:
             head += f"; policies to choose from: {', '.join(map(policy_name, self.policies))}"
         if self.predicted_extra_seconds:
-            head += f"; predicted replay time {self.predicted_extra_seconds * 1e3:.1f} ms"
+            head += f"; predicted replay time {_duration(self.predicted_extra_seconds)} per step"
+        elif self.extra_forward_layers and self.predicted_extra_seconds is not None:
+            head += "; replay time not measured"
         return "\n".join([head] + _describe(self.names, self.pieces, "  "))
 
     def to_config(self) -> dict[str, Any]:
@@ -321,6 +329,11 @@ def _count(pieces: tuple[Segment, ...], counts: list[int]) -> None:
 
 def _depth(pieces: tuple[Segment, ...]) -> int:
     return max((1 + _depth(p.inner) for p in pieces if p.checkpointed), default=0)
+
+
+def _duration(seconds: float) -> str:
+    """Seconds as ms, or as µs below a millisecond (a replay of small layers)."""
+    return f"{seconds * 1e3:.1f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.0f} µs"
 
 
 def _count_of(n: int, noun: str) -> str:

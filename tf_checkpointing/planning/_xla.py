@@ -44,6 +44,7 @@ from collections.abc import Sequence
 from typing import Any, Callable, NamedTuple, Optional
 
 from tf_checkpointing.core._state import StateRecorder
+from tf_checkpointing.planning import _progress
 from tf_checkpointing.planning._allocator import concrete_inputs, in_fresh_thread, memory_device
 from tf_checkpointing.planning._cache import registered
 from tf_checkpointing.planning._constants import XLA_ANCHOR_CACHE_SIZE as _CACHE_SIZE
@@ -193,6 +194,7 @@ def measure_plan(graph: LayerGraph, inputs: Any, api: str, runner: PlanRunner, s
     plan of ``spans``."""
     names = tuple(call.name for call in graph.calls)
     plan = ModelPlan(names, pieces_of_spans(0, len(names), spans, region_policies), mode="xla")
+    _progress.step("compiling and measuring XLA steps")
     return measure_xla_step(runner(plan), inputs, api,
                             graph.model.non_trainable_variables,
                             trainable=None if all(backprop_calls(graph, "xla"))
