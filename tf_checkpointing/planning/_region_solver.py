@@ -90,8 +90,12 @@ def _tables(model, limit, start, stop, max_len, nested, units, unit):
     held_bytes = np.arange(size) * unit
     for a in range(start, stop):
         for source in (0, 1):
-            if not np.isfinite(value[source, a]).any():
+            reached = np.nonzero(np.isfinite(value[source, a]))[0]
+            if not reached.size:
                 continue
+            # Only the held levels reached at cut `a` can step on: the step is
+            # offered over [low, high) alone (most levels are unreached).
+            levels = (int(reached[0]), int(reached[-1]) + 1)
             last = stop if max_len is None else min(stop, a + max_len)
             for c in range(a + 1, last + 1):
                 for kind, end, need, held, extra in _options(model, a, c, stop, nested):
@@ -101,30 +105,36 @@ def _tables(model, limit, start, stop, max_len, nested, units, unit):
                     if add < size:
                         after_region = kind > 0 and not _decode(kind)[1]
                         _relax((value, work, came_from), (source, a), (int(after_region), end),
-                               add, need, extra, kind, held_bytes, limit)
+                               add, need, extra, kind, held_bytes, limit, levels)
     return value, work, came_from
 
 
-def _relax(tables, frm, to, add, need, extra, kind, held_bytes, limit) -> None:
-    """Offers the step ``frm -> to`` (``(state, cut)`` pairs) at every held level."""
+def _relax(tables, frm, to, add, need, extra, kind, held_bytes, limit, levels) -> None:
+    """Offers the step ``frm -> to`` (``(state, cut)`` pairs) at every held level
+    in ``levels`` (``[low, high)``) that has room for ``add`` more units."""
     value, work, came_from = tables
-    size = value.shape[2]
+    low, high = levels[0], min(levels[1], value.shape[2] - add)
+    if limit is not None:  # a level fits while its held bytes plus `need` do
+        high = min(high, int(np.searchsorted(held_bytes, limit - need, side="right")))
+    if high <= low:
+        return
     if limit is None:
-        new_value = np.maximum(value[frm], held_bytes + need)
+        new_value = np.maximum(value[frm][low:high], held_bytes[low:high] + need)
     else:
-        new_value = np.where(held_bytes + need <= limit, value[frm] + extra, np.inf)
-    new_value, new_work = new_value[:size - add], (work[frm] + extra)[:size - add]
-    old_value, old_work = value[to][add:], work[to][add:]
+        new_value = value[frm][low:high] + extra
+    new_work = work[frm][low:high] + extra
+    old_value, old_work = value[to][low + add:high + add], work[to][low + add:high + add]
     better = np.isfinite(new_value) & (
         (new_value < old_value * (1 - 1e-9))
         | ((new_value <= old_value * (1 + 1e-9)) & (new_work < old_work)))
     idx = np.nonzero(better)[0]
     if idx.size:
-        value[to][add + idx] = new_value[idx]
-        work[to][add + idx] = new_work[idx]
-        came_from[to][add + idx] = np.stack(
-            [np.full_like(idx, frm[0]), np.full_like(idx, frm[1]), idx,
-             np.full_like(idx, kind)], 1)
+        at = low + add + idx
+        value[to][at] = new_value[idx]
+        work[to][at] = new_work[idx]
+        origin = came_from[to]
+        origin[at, 0], origin[at, 1], origin[at, 3] = frm[0], frm[1], kind
+        origin[at, 2] = low + idx
 
 
 def _best(tables, limit, start, stop, nested) -> Optional[Solution]:
