@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import Counter
 from typing import Any, Optional
 
 from tf_checkpointing.planning import _progress
@@ -111,6 +112,17 @@ def _plan_graph(graph: LayerGraph, inputs: Any, budget: Optional[int], *, mode: 
             # The least plan is no better than plain (a model whose body is one
             # layer call, as keras_hub's ViTBackbone's encoder): run it plainly.
             chosen = Solution(least.value, (), ())
+        blocks = block_spans(graph)
+        if mode != "eager" and blocks and blocks != chosen.spans:
+            # Never above the selection a user would write, apply_checkpointing(model,
+            # [Block]): the model's errors can put its least plan there (see
+            # docs/design.md#least-plan-against-the-blocks). Both are measured.
+            ours = measure_plan(graph, inputs, api, runner, chosen.spans,
+                                policies_of(chosen.policies), mode=mode)
+            theirs = measure_plan(graph, inputs, api, runner, blocks, mode=mode)
+            if theirs < ours:
+                chosen = Solution(region_model.peak(blocks), blocks, (NO_POLICY,) * len(blocks))
+            measured = min(ours, theirs)
     elif budget >= plain_peak:
         return plan
     elif budget < plan.min_budget_bytes:
@@ -145,6 +157,30 @@ def _plan_graph(graph: LayerGraph, inputs: Any, budget: Optional[int], *, mode: 
         predicted_peak_bytes=int(measured if measured is not None else predict(
             region_model.peak(spans, policies=chosen.policies), bool(spans))),
         predicted_extra_seconds=region_model.extra_work(spans, chosen.policies))
+
+
+def block_spans(graph: LayerGraph) -> tuple:
+    """Each call of the model's repeated block as a region of its own: the calls
+    of the most frequent layer class with weights that Keras does not define
+    (a transformer's decoder block), if it is called at least twice; else ().
+    What ``apply_checkpointing(model, [Block])`` runs.
+
+        >>> import keras
+        >>> from tf_checkpointing.planning._graph import read_graph
+        >>> class Block(keras.layers.Dense): pass
+        >>> x = keras.Input((4,))
+        >>> model = keras.Model(x, Block(4)(keras.layers.Dense(4)(Block(4)(x))))
+        >>> block_spans(read_graph(model, "doc"))
+        ((0, 1, ()), (2, 3, ()))
+    """
+    counts = Counter(type(call.layer) for call in graph.calls
+                     if call.layer.weights and not type(call.layer).__module__.startswith("keras."))
+    if not counts:
+        return ()
+    block, n = counts.most_common(1)[0]
+    if n < 2:
+        return ()
+    return tuple((i, i + 1, ()) for i, call in enumerate(graph.calls) if type(call.layer) is block)
 
 
 def chunk_factor(model_bytes: float, plain_bytes: float, least_bytes: float,

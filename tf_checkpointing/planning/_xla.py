@@ -151,11 +151,11 @@ class XlaAnchor:
 
 def measure_xla_step(run: Callable[[Any], Any], inputs: Any, api: str,
                      variables: Sequence[Any] = (),
-                     trainable: Optional[Sequence[Any]] = None) -> int:
-    """Peak of ``run``'s forward and backward compiled with ``jit_compile=True``
-    (each gradient consumed at once, as an optimizer in the step does), run on
-    ``inputs`` eagerly in a thread of its own; the state it writes (BatchNorm
-    statistics, seeds) and ``variables`` are put back."""
+                     trainable: Optional[Sequence[Any]] = None, jit: bool = True) -> int:
+    """Peak of ``run``'s forward and backward as one ``tf.function`` compiled
+    with ``jit_compile=jit`` (each gradient consumed at once, as an optimizer in
+    the step does), run on ``inputs`` eagerly in a thread of its own; the state
+    it writes (BatchNorm statistics, seeds) and ``variables`` are put back."""
 
     def measure() -> int:
         x = concrete_inputs(inputs, api)
@@ -164,7 +164,7 @@ def measure_xla_step(run: Callable[[Any], Any], inputs: Any, api: str,
         recorder = StateRecorder()
         with recorder:
             try:
-                return graph_plain_peak([run], x, device, True, applied=True,
+                return graph_plain_peak([run], x, device, jit, applied=True,
                                         trainable=trainable)
             finally:
                 recorder.restore_before()
@@ -189,15 +189,15 @@ def model_anchor(key: Any, graph: Any, inputs: Any, least_spans: tuple, runner: 
 
 
 def measure_plan(graph: LayerGraph, inputs: Any, api: str, runner: PlanRunner, spans: tuple,
-                 region_policies: tuple = ()) -> int:
-    """The peak of the XLA step of ``graph``'s model run (by ``runner``) by the
-    plan of ``spans``."""
+                 region_policies: tuple = (), mode: str = "xla") -> int:
+    """The peak of the step (``mode``: ``"xla"`` or ``"graph"``) of ``graph``'s
+    model run (by ``runner``) by the plan of ``spans``."""
     names = tuple(call.name for call in graph.calls)
-    plan = ModelPlan(names, pieces_of_spans(0, len(names), spans, region_policies), mode="xla")
-    _progress.step("compiling and measuring XLA steps")
+    plan = ModelPlan(names, pieces_of_spans(0, len(names), spans, region_policies), mode=mode)
+    _progress.step(f"compiling and measuring {'XLA' if mode == 'xla' else 'graph'} steps")
     return measure_xla_step(runner(plan), inputs, api,
-                            graph.model.non_trainable_variables,
-                            trainable=None if all(backprop_calls(graph, "xla"))
+                            graph.model.non_trainable_variables, jit=mode == "xla",
+                            trainable=None if all(backprop_calls(graph, mode))
                             else graph.model.trainable_variables)
 
 

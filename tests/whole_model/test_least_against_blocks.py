@@ -1,0 +1,64 @@
+"""``budget="min"`` is never above the selection a user would write,
+``apply_checkpointing(model, [Block])``: where a model repeats a block of its
+own, the least plan and the per-block plan are both measured, and the lower
+one is the plan (on keras_hub's GPT2Backbone the model's least plan measured
+61 MiB, the per-block selection 53)."""
+
+import keras
+import pytest
+import tensorflow as tf
+
+import tf_checkpointing as tc
+from tf_checkpointing.planning import _model
+from tf_checkpointing.planning._graph import read_graph
+
+
+class Block(keras.layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.inner = keras.layers.Dense(16, activation="relu")
+        self.out = keras.layers.Dense(8)
+
+    def call(self, x):
+        return x + self.out(self.inner(x))
+
+
+def _model_of_blocks():
+    keras.utils.set_random_seed(0)
+    x = keras.Input((8,))
+    h = keras.layers.Dense(8, name="stem")(x)
+    for k in range(3):
+        h = Block(name=f"block{k}")(h)
+    return keras.Model(x, keras.layers.Dense(1, name="head")(h))
+
+
+def test_block_spans_are_the_calls_of_the_repeated_block():
+    model = _model_of_blocks()
+    plan = tc.ModelPlan.from_regions(model, [["stem"]])
+    names = list(plan.names)
+    spans = _model.block_spans(read_graph(model, "test"))
+    assert [names[a] for a, _, _ in spans] == ["block0", "block1", "block2"]
+
+
+@pytest.mark.parametrize("blocks_lower", [True, False])
+def test_the_least_plan_is_the_lower_measured_of_itself_and_the_blocks(monkeypatch, blocks_lower):
+    model = _model_of_blocks()
+    x = tf.random.stateless_normal([64, 8], [0, 1])
+    measured = {}
+
+    def fake_measure(graph, inputs, api, runner, spans, region_policies=(), mode="xla"):
+        is_blocks = spans == _model.block_spans(graph)
+        measured[is_blocks] = spans
+        return 100 if is_blocks == blocks_lower else 200
+
+    monkeypatch.setattr(_model, "measure_plan", fake_measure)
+    plan = tc.plan_model(model, x, budget="min", mode="graph")
+    assert set(measured) == {True, False}  # both measured
+    blocks = [["block0"], ["block1"], ["block2"]]
+    assert (plan.regions == blocks) == blocks_lower, plan.regions
+    assert plan.predicted_peak_bytes == 100  # the measured peak of the plan chosen
+
+
+def test_an_eager_least_plan_measures_nothing(monkeypatch):
+    monkeypatch.setattr(_model, "measure_plan", lambda *a, **k: pytest.fail("measured"))
+    tc.plan_model(_model_of_blocks(), tf.ones([4, 8]), budget="min", mode="eager")
