@@ -132,11 +132,12 @@ def test_complete_statistics_are_reported_available():
 @pytest.mark.slow
 def test_without_bfc_measure_raises_and_says_how_to_enable():
     """Without TF_CPU_ALLOCATOR_USE_BFC, TensorFlow refuses CPU statistics or tracks only
-    large allocations; either way measuring raises and tells the fix."""
+    large allocations; either way measuring raises and tells the fix. TensorFlow runs
+    first: imported before it makes its devices, the package turns the allocator on."""
     code = textwrap.dedent("""
-        from tf_checkpointing import measure
         import tensorflow as tf
         tf.zeros([16 * 2**20]) + 1.0     # a large allocation: TF 2.21 then tracks large ones
+        from tf_checkpointing import measure
         try:
             peak = measure(lambda: tf.reduce_sum(tf.zeros([16 * 2**20]))).peak_bytes
         except RuntimeError as error:

