@@ -9,28 +9,38 @@ during backprop (dropout masks included, so the losses are equal). Prints peak
 memory and step time of both.
 
     python examples/distributed_loop.py          # 8 blocks, width 256 (~1 min on 2 CPU cores)
-    python examples/distributed_loop.py --tiny   # toy sizes, seconds (what the tests run)
+    python examples/distributed_loop.py --tiny   # 8 blocks, width 64 (~40 s; what the tests run)
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+from typing import Callable
 
-# Before TensorFlow is imported: exact CPU memory statistics, and no C++ log lines.
-os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+SIZES = {
+    "default": dict(blocks=8, width=256, hidden=1024, global_batch=2048, steps=5),
+    # Small, but each block's activations (a few MiB) still outweigh its weights.
+    "tiny": dict(blocks=8, width=64, hidden=256, global_batch=512, steps=5),
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="small sizes (~40 s)")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    ARGS = parse_args()  # before TensorFlow starts: --help answers at once
+
+from _common import interleaved_steps, print_comparison, start_tensorflow  # noqa: E402
+
+start_tensorflow()  # exact CPU memory statistics, no start-up noise
 
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from _compare import median_step_seconds, print_comparison  # noqa: E402
 
 from tf_checkpointing import checkpointable, measure  # noqa: E402
-
-SIZES = {
-    "default": dict(blocks=8, width=256, hidden=1024, global_batch=2048, steps=3),
-    "tiny": dict(blocks=2, width=8, hidden=16, global_batch=8, steps=2),
-}
 
 
 class Block(keras.layers.Layer):
@@ -57,7 +67,9 @@ def build(size: dict, checkpoint: bool, seed: int = 0) -> tuple[keras.Model, lis
     return model, blocks
 
 
-def run(strategy: tf.distribute.Strategy, size: dict, checkpoint: bool) -> dict[str, float]:
+def training_step(strategy: tf.distribute.Strategy, size: dict,
+                  checkpoint: bool) -> Callable[[], float]:
+    """One training step of the model, as a function that runs it and returns its loss."""
     with strategy.scope():
         model, _ = build(size, checkpoint)
         optimizer = keras.optimizers.SGD(1e-3)
@@ -80,17 +92,10 @@ def run(strategy: tf.distribute.Strategy, size: dict, checkpoint: bool) -> dict[
         losses = strategy.run(replica_step, args=batch)
         return strategy.reduce(tf.distribute.ReduceOp.SUM, losses, axis=None)
 
-    train_step(next(batches))  # traces, creates the optimizer's state
-    peak = measure(lambda: train_step(next(batches)).numpy(), device="CPU:0").peak_mib
-    step = median_step_seconds(lambda: train_step(next(batches)).numpy(), size["steps"])
-    # After 2 + steps updates: equal losses mean equal gradients all along.
-    return dict(peak_mib=peak, step_s=step, loss=float(train_step(next(batches))))
+    return lambda: float(train_step(next(batches)))
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tiny", action="store_true", help="toy sizes (seconds)")
-    args = parser.parse_args(argv)
+def main(args: argparse.Namespace) -> int:
     size = SIZES["tiny" if args.tiny else "default"]
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(
@@ -98,12 +103,19 @@ def main(argv: list[str] | None = None) -> int:
     strategy = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
     print(f"MirroredStrategy over {strategy.num_replicas_in_sync} replicas; {size['blocks']} "
           f"blocks of width {size['width']}, global batch {size['global_batch']}")
-    rows = {"plain": run(strategy, size, checkpoint=False),
-            "checkpointed": run(strategy, size, checkpoint=True)}
-    print_comparison(rows)
+    steps = {"plain": training_step(strategy, size, checkpoint=False),
+             "checkpointed": training_step(strategy, size, checkpoint=True)}
+    measured = {}
+    for name, step in steps.items():
+        step()  # traces, creates the optimizer's state
+        stats = measure(step, device="CPU:0")  # both replicas' devices share one allocator
+        measured[name] = dict(peak_mib=stats.peak_mib, loss=stats.result)
+    seconds = interleaved_steps(steps, rounds=size["steps"])
+    print_comparison({name: dict(measured[name], step_s=seconds[name]) for name in steps},
+                     loss_of="measured step (the second)")
     print("(both replicas share the process's CPU allocator: the peak is of both)")
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(ARGS))

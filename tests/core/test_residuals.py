@@ -97,3 +97,29 @@ def test_every_kept_argument_is_named_by_its_position():
         "argument 0", "argument 1", "argument 2"]
     assert [(r.producer, r.why) for r in kept if r.kind == "activation"] == [
         ("MatMul matmul", "kept by the save policy")]
+
+
+def test_why_names_the_gradient_or_the_replay_that_reads_it():
+    """Not the kernels a replay's ordering adds (an AddV2 of zero, a GatherV2 of one
+    element), which say nothing to a reader: the forward op whose gradient reads the
+    tensor, or the replay that starts from it; a variable read again by the replay is
+    one row."""
+
+    def mlp(x, w1, w2):
+        return tf.nn.relu(x @ w1) @ w2
+
+    x, w1, w2 = tf.ones([8, 64]), tf.ones([64, 256]) * 0.01, tf.ones([256, 64]) * 0.01
+    plain = {r.producer: r.why for r in saved_residuals(mlp, x, w1, w2)}
+    assert plain["argument 0"] == "read by the gradient of matmul (MatMul)"
+    assert plain["argument 2"] == "read by the gradient of matmul_1 (MatMul)"
+    # relu's output: by relu's gradient and by the second matmul's (its weight's).
+    assert plain["Relu Relu"] == "read by the gradients of matmul_1 (MatMul), Relu (ReluGrad)"
+    replayed = saved_residuals(checkpointable(mlp, checkpoint=True), x, w1, w2)
+    assert {r.why for r in replayed} == {"read by the replay of a checkpointed call"}
+
+    dense = tf.keras.layers.Dense(8)
+    dense.build((None, 16))
+    kept = saved_residuals(lambda h: checkpointable(dense)(h, _checkpoint=True),
+                           tf.ones([4, 16]))
+    variables = [r.producer for r in kept if r.kind == "variable"]
+    assert sorted(variables) == sorted(set(variables)) and len(variables) == 2, kept

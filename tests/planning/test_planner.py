@@ -282,6 +282,29 @@ def test_str_describes_the_schedule():
     assert len(text.splitlines()) >= 1 + len(plan.pieces)
 
 
+def test_str_names_each_number_for_what_it_is():
+    """The least budget accepted is above the least plan's predicted peak (plans keep
+    headroom): the summary says so instead of printing the two side by side, and a
+    replay of small layers is timed in µs, not "0.0 ms"."""
+    from tf_checkpointing import Segment, SequentialPlan
+
+    mib = 2**20
+    plan = SequentialPlan(names=("a", "b", "c"), mode="graph", budget_bytes="min",
+                          pieces=(Segment(0, 2, True), Segment(2, 3, False)),
+                          predicted_peak_bytes=43 * mib, plain_peak_bytes=143 * mib,
+                          min_budget_bytes=48 * mib, predicted_extra_seconds=4e-5)
+    head = str(plan).splitlines()[0]
+    assert head.startswith("SequentialPlan (graph): 3 layers, budget min -> predicted peak "
+                           "43.00 MiB (0.30x the plain step's measured 143.00 MiB); smallest "
+                           "budget accepted 48.00 MiB (a plan's predicted peak stays within "
+                           "90% of its budget); "), head
+    assert head.endswith("; predicted replay time 40 µs per step"), head
+    slow = dataclasses.replace(plan, predicted_extra_seconds=0.0123)
+    assert str(slow).splitlines()[0].endswith("; predicted replay time 12.3 ms per step")
+    unmeasured = dataclasses.replace(plan, predicted_extra_seconds=0.0)
+    assert str(unmeasured).splitlines()[0].endswith("; replay time not measured")
+
+
 def test_budget_below_the_minimum_names_the_minimum():
     profile = _synthetic([1000] * 5, [4000] * 4, [1.0] * 4)
     minimum = solve(profile, 2**40).min_budget_bytes

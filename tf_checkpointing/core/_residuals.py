@@ -17,6 +17,7 @@ checkpointed call keeps only its inputs there, whatever its save policy.)
 from __future__ import annotations
 
 import dataclasses
+import re
 import weakref
 from collections.abc import Sequence
 from typing import Any, Callable, Optional
@@ -24,6 +25,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import tensorflow as tf
 
+from tf_checkpointing.core._flags import checkpoint_scopes_entered
 from tf_checkpointing.core._memory import _memory_info, default_memory_device
 
 __all__ = ["Residual", "print_saved_residuals", "saved_residuals"]
@@ -44,8 +46,11 @@ class Residual:
         shape: static shape (``None`` entries where unknown).
         dtype: the dtype's name.
         bytes: size in bytes (0 if the shape is not fully known).
-        why: what keeps it: the backward ops that read it, or ``"kept by the save
-            policy"`` when a replay reuses it instead of recomputing it.
+        why: what keeps it: the backward ops that read it, named by the forward
+            op whose gradient they compute and their kernels (``"read by the
+            gradient of matmul (MatMul)"``), or ``"read by the replay of a
+            checkpointed call"`` (which starts from its inputs), or ``"kept by the
+            save policy"`` when a replay reuses it instead of recomputing it.
         kind: ``"activation"`` (allocated by the forward: counted in the
             total), ``"argument"`` or ``"variable"`` (allocated before the call).
 
@@ -106,15 +111,18 @@ def saved_residuals(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[R
         seeds = [tf.ones(tf.shape(t), t.dtype) for t in targets]
         boundary["seeds"] = [seed.op for seed in seeds]
         boundary["variables"] = {id(v.handle): v.name for v in tape.watched_variables()}
+        entered = checkpoint_scopes_entered()
         grads = tape.gradient(targets, sources + list(tape.watched_variables()),
                               output_gradients=seeds)
+        boundary["replayed"] = checkpoint_scopes_entered() > entered
         return [g for g in grads if g is not None]
 
     specs = [tf.TensorSpec.from_tensor(tf.convert_to_tensor(leaves[i])) for i in positions]
     graph = tf.function(traced, autograph=False).get_concrete_function(*specs).graph
     names = {internal.op.name: boundary["variables"][id(external)]
              for external, internal in graph.captures if id(external) in boundary["variables"]}
-    return _residuals(graph, boundary["ops"], boundary["seeds"], len(positions), names)
+    return _residuals(graph, boundary["ops"], boundary["seeds"], len(positions), names,
+                      boundary["replayed"])
 
 
 def print_saved_residuals(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
@@ -145,7 +153,8 @@ def format_residuals(residuals: Sequence[Residual]) -> str:
 
 
 def _residuals(graph: tf.Graph, boundary: int, seeds: list[tf.Operation],
-               num_arguments: int, variable_names: dict[str, str]) -> list[Residual]:
+               num_arguments: int, variable_names: dict[str, str],
+               replayed: bool = False) -> list[Residual]:
     """Tensors made before the backward starts and read after. A backward op
     that does not depend on the incoming gradient (a transpose or shape of a
     forward tensor) can run during the forward, so it counts as forward."""
@@ -164,18 +173,22 @@ def _residuals(graph: tf.Graph, boundary: int, seeds: list[tf.Operation],
     by_buffer: dict[Any, list[tf.Operation]] = {}
     labels: dict[Any, str] = {}  # buffer -> checkpoint_name of a view of it
     named = checkpoint_names.get(graph, {})
+    variable_reads: dict[str, Any] = {}  # handle -> the first read of it listed
     for ref, ops_reading in readers.items():
         if ref.deref().dtype == tf.resource:
             continue  # a variable's handle is not its data
         chain = _views(ref.deref())
-        by_buffer.setdefault(chain[-1].ref(), []).extend(ops_reading)
+        owner = chain[-1]
+        if owner.op.type == "ReadVariableOp":  # a replay reads the variable again
+            owner = variable_reads.setdefault(owner.op.inputs[0].op.name, owner)
+        by_buffer.setdefault(owner.ref(), []).extend(ops_reading)
         for view in chain:
             if view.op.name in named:
-                labels[chain[-1].ref()] = named[view.op.name]
+                labels[owner.ref()] = named[view.op.name]
     order = sorted(by_buffer, key=lambda r: (forward.get(r.deref().op, -1),
                                              r.deref().value_index))
     return [_record(graph, ref.deref(), by_buffer[ref], inputs, num_arguments, variable_names,
-                    labels.get(ref)) for ref in order]
+                    labels.get(ref), replayed) for ref in order]
 
 
 # Ops whose output shares its input's buffer: counting both would count it twice.
@@ -206,7 +219,7 @@ def _descendants(roots: list[tf.Operation]) -> set[tf.Operation]:
 
 
 def _record(graph, tensor, readers, inputs, num_arguments, variable_names,
-            label) -> Residual:
+            label, replayed) -> Residual:
     op = tensor.op
     kind = "activation"
     # By identity: `in` and `index` would compare tensors with ==, an op of the graph.
@@ -224,11 +237,48 @@ def _record(graph, tensor, readers, inputs, num_arguments, variable_names,
     if all(reader.name in substituted for reader in readers):
         why = "kept by the save policy"
     else:
-        types = sorted({reader.type for reader in readers})
-        why = "read by " + ", ".join(types[:4]) + (" ..." if len(types) > 4 else "")
+        why = _why(readers, replayed)
     shape = tuple(tensor.shape.as_list()) if tensor.shape.rank is not None else ()
     size = int(np.prod(shape)) * tensor.dtype.size if tensor.shape.is_fully_defined() else 0
     return Residual(producer, shape, tensor.dtype.name, size, why, kind)
+
+
+# A gradient op's name: "gradient_tape/<scope of the forward op>/<op>", the scope
+# being the forward op's own name for most ops (``matmul``, ``Gelu/mul_2``) or the
+# layer's (``embedding``); none for an op made outside any scope (``tf.nn.relu``,
+# whose gradient kernel, ``ReluGrad``, names it).
+_GRADIENT_OP = re.compile(r"(?:^|/)gradient_tape(?:_\d+)?/(?:(.+)/)?[^/]+$")
+
+
+def _why(readers: Sequence[tf.Operation], replayed: bool) -> str:
+    """Which backward computation reads a kept tensor, in words: the gradient of
+    which forward op (the scope its gradient ops are made in, which is the forward
+    op's name for most ops, then the backward kernels), or the replay of a
+    checkpointed call, not the kernels a replay starts with: its own data edges
+    (a zero added to each input, one element gathered from each variable it
+    reads: see _ordering) would read as "read by AddV2" or "GatherV2"."""
+    gradients: dict[str, set[str]] = {}
+    other = False
+    for reader in readers:
+        match = _GRADIENT_OP.search(reader.name)
+        if match:
+            # Outside any scope, a "<Op>Grad" kernel still names its forward op's type.
+            forward = match.group(1) or (reader.type[:-4] if reader.type.endswith("Grad")
+                                         else "")
+            gradients.setdefault(forward, set()).add(reader.type)
+        else:
+            other = True
+    parts = []
+    if gradients:
+        shown = [f"{forward} ({', '.join(sorted(types))})".lstrip()
+                 for forward, types in list(gradients.items())[:3]]
+        more = ", ..." if len(gradients) > 3 else ""
+        noun = "gradient" if len(gradients) == 1 else "gradients"
+        of = " of" if any(gradients) else ""
+        parts.append(f"the {noun}{of} {', '.join(shown)}{more}")
+    if other:
+        parts.append("the replay of a checkpointed call" if replayed else "a custom gradient")
+    return "read by " + " and by ".join(parts)
 
 
 def _executed(graph: tf.Graph) -> set[tf.Operation]:
