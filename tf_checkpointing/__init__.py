@@ -16,9 +16,20 @@ Importing it turns on TensorFlow's CPU memory statistics when that can still
 take effect (see :mod:`tf_checkpointing._cpu_statistics`).
 """
 
+import sys
+
 from tf_checkpointing import _cpu_statistics
 
 _cpu_statistics.arrange()  # before TensorFlow creates its devices
+
+if getattr(sys, "orig_argv", [])[-2:] == ["-m", "tf_checkpointing"] and (
+        "tensorflow" not in sys.modules):
+    # The report (python -m tf_checkpointing) is read by people pasting it into bug
+    # reports: TensorFlow's start-up lines, printed while it loads, are not part of it.
+    from tf_checkpointing._quiet import start_up_noise_hidden
+
+    with start_up_noise_hidden():
+        import tensorflow  # noqa: F401
 
 # ruff: noqa: E402 - the allocator is arranged before TensorFlow is used
 

@@ -45,6 +45,8 @@ def test_module_prints_no_device_start_up_noise():
     done = _run_module()
     for noise in ("cuInit", "cuda_platform"):
         assert noise not in done.stderr + done.stdout, done.stderr
+    # Nor the lines TensorFlow prints while it loads: the report's stderr is empty.
+    assert done.stderr.strip() == "", done.stderr
 
 
 def test_advice_names_the_variable_and_the_import():
