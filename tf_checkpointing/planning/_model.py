@@ -167,6 +167,7 @@ def block_spans(graph: LayerGraph) -> tuple:
 
         >>> import keras
         >>> from tf_checkpointing.planning._graph import read_graph
+        >>> from tf_checkpointing.planning._model import block_spans
         >>> class Block(keras.layers.Dense): pass
         >>> x = keras.Input((4,))
         >>> model = keras.Model(x, Block(4)(keras.layers.Dense(4)(Block(4)(x))))
@@ -174,7 +175,8 @@ def block_spans(graph: LayerGraph) -> tuple:
         ((0, 1, ()), (2, 3, ()))
     """
     counts = Counter(type(call.layer) for call in graph.calls
-                     if call.layer.weights and not type(call.layer).__module__.startswith("keras."))
+                     if getattr(call.layer, "weights", None)
+                     and not type(call.layer).__module__.startswith("keras."))
     if not counts:
         return ()
     block, n = counts.most_common(1)[0]

@@ -134,10 +134,12 @@ class PlansByShape(Generic[Plan]):
         made.sort(key=lambda entry: _elements(entry[0]))
 
     def adopt(self, made: list[tuple[str, Any, Plan]]) -> None:
-        """Keeps the plans of ``made`` (``(mode, inputs, plan)``) not kept yet."""
+        """Keeps the plans of ``made`` (``(mode, inputs, plan)``) not kept yet, where
+        no plan is kept for the same mode and shapes (the call's own stays)."""
         kept = {id(plan) for plans in self._made.values() for _, plan in plans}
         for mode, inputs, plan in made:
-            if id(plan) not in kept:
+            shapes = _shapes(inputs)
+            if id(plan) not in kept and all(s != shapes for s, _ in self._made.get(mode, [])):
                 self.add(mode, inputs, plan)
                 self._ahead.add(id(plan))
 
