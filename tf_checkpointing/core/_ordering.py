@@ -9,17 +9,22 @@ optimizer's update reads updated weights. The functions here add data edges
 that cannot be optimized away: an always-zero value computed from one element
 of each incoming gradient (:func:`_opaque_zero`), and, for the variable
 gradients, of each value the replay read from a variable (:func:`after_replay`).
+Under XLA, a replay's reads of convolution filters wait for the gradient too
+(:func:`filters_after_gradient`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any, Optional
 
 import tensorflow as tf
 
-__all__ = ["after_gradient", "after_replay", "fresh_copies", "variable_reads",
-           "weight_gradients_first"]
+from tf_checkpointing.core._internals import control_flow_util, op_callbacks
+
+__all__ = ["after_gradient", "after_replay", "filters_after_gradient", "fresh_copies",
+           "variable_reads", "weight_gradients_first"]
 
 # Backward kernels that read a forward activation and the incoming gradient (the
 # weight gradient of a convolution, either product of a matrix multiplication),
@@ -157,6 +162,45 @@ def after_gradient(leaves: Sequence[Any], positions: Sequence[int],
         ordered[i] = (tf.logical_or(leaf, tf.cast(zero, tf.bool)) if leaf.dtype.is_bool
                       else leaf + tf.cast(zero, leaf.dtype))
     return ordered
+
+
+@contextlib.contextmanager
+def filters_after_gradient(output_grads: Sequence[Any]) -> Iterator[None]:
+    """Under XLA, while the body builds a replay, each read of a variable of rank
+    3 or more (a convolution's filter) is made to depend by data on the incoming
+    gradients: ``read + opaque zero``, the same value.
+
+    XLA computes a convolution's input gradient with the filter reversed and
+    transposed, a copy of the filter's size, and schedules that copy as soon as
+    its operand exists: a filter read from a variable exists at the start of the
+    step, so every replayed convolution's turned filter was made during the
+    forward and held until the backward. Made from a read that waits for the
+    gradient, the turning is fused into the addition and made when the replay
+    runs. A matrix product's backward reads its weight as it is (dot dimension
+    numbers), so a waiting Dense kernel would only add a copy: reads of rank 2 or
+    less are left alone. Only reads built in the replay's own graph, not in a
+    loop body or branch (functions of their own). In eager mode and in graphs
+    XLA does not compile, filters are not copied and nothing is done. (See
+    docs/design.md#filters-that-wait.)"""
+    grads = _incoming(output_grads)
+    graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+    if not grads or graph is None or not control_flow_util.GraphOrParentsInXlaContext(graph):
+        yield
+        return
+    zero = _opaque_zero(grads)
+    replay_graph = graph
+
+    def waiting(op_type, inputs, attrs, outputs, op_name=None, graph=None):
+        if (op_type != "ReadVariableOp" or graph is not replay_graph or len(outputs) != 1
+                or not outputs[0].dtype.is_floating or (outputs[0].shape.rank or 0) < 3):
+            return outputs  # not None: that would drop an earlier callback's replacement
+        return [outputs[0] + tf.cast(zero, outputs[0].dtype)]
+
+    op_callbacks.add_op_callback(waiting)
+    try:
+        yield
+    finally:
+        op_callbacks.remove_op_callback(waiting)
 
 
 def _incoming(output_grads: Sequence[Any]) -> list[Any]:

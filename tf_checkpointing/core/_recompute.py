@@ -38,6 +38,7 @@ from tf_checkpointing.core._losses import put_back, with_added_losses
 from tf_checkpointing.core._ordering import (
     after_gradient,
     after_replay,
+    filters_after_gradient,
     fresh_copies,
     variable_reads,
     weight_gradients_first,
@@ -269,7 +270,8 @@ class _Replay:
             others = after_gradient(self.leaves, self.positions, output_grads)
             graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
             replay_op = len(graph.get_operations()) if graph is not None else 0
-            with tf.GradientTape(watch_accessed_variables=False) as tape:
+            with filters_after_gradient(output_grads), \
+                    tf.GradientTape(watch_accessed_variables=False) as tape:
                 tape.watch(inputs)
                 tape.watch(differentiable_vars)
                 out = Flattened(self._call(inputs, others))
