@@ -14,7 +14,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import assert_all_close, partly_frozen, residual_net
+from helpers import assert_all_close, partly_frozen
 
 import tf_checkpointing as tc
 from tf_checkpointing import _graph_runner, _sequential_layer
@@ -47,9 +47,17 @@ def _batch(n):
     return tf.random.stateless_normal([n, 8, 8, 3], [n, 1])
 
 
+def _net():
+    """helpers.residual_net's blocks (convolution, BatchNorm, dropout, a replay
+    counter), two of them: which plan runs shows as well, planned in less time."""
+    model = partly_frozen(frozen_blocks=0, blocks=2, count=True)
+    model.get_layer("stem").trainable = True  # partly_frozen's stem is always frozen
+    return model
+
+
 def test_a_larger_batch_is_planned_anew_and_a_smaller_one_reuses_its_plan(plans_made):
     keras.utils.set_random_seed(0)
-    model = residual_net()
+    model = _net()
     tc.apply_checkpointing(model, budget="min")
     step = _train_step(model)
     step(_batch(2))  # a warm-up step on a few examples
@@ -66,7 +74,7 @@ def test_unfreezing_layers_plans_anew(plans_made):
     # A compiled step keeps nothing for frozen layers (see test_whole_model_frozen):
     # a plan made while a backbone is frozen is not within the budget once it trains.
     keras.utils.set_random_seed(0)
-    model = partly_frozen()
+    model = partly_frozen(frozen_blocks=1, blocks=2)
     tc.apply_checkpointing(model, budget="min")
     _train_step(model)(_batch(4))
     for layer in model.layers:  # fine-tuning's second phase: the whole model trains
@@ -79,7 +87,7 @@ def test_unfreezing_layers_plans_anew(plans_made):
 
 def test_an_eager_step_then_fit_plans_for_the_graph(plans_made):
     keras.utils.set_random_seed(0)
-    model = residual_net()
+    model = _net()
     tc.apply_checkpointing(model, budget="min")
     x = np.random.default_rng(0).random((8, 8, 8, 3), np.float32)
     with tf.GradientTape() as tape:  # an eager sanity step
@@ -95,7 +103,7 @@ def test_a_batch_of_unknown_size_runs_the_plan_of_the_largest_batch(plans_made):
     """A function traced again for an epoch's last, smaller batch with
     ``reduce_retracing`` (as Model.fit's is) sees a None batch dimension."""
     keras.utils.set_random_seed(0)
-    model = residual_net()
+    model = _net()
     tc.apply_checkpointing(model, budget="min")
 
     @tf.function(reduce_retracing=True)
@@ -142,7 +150,7 @@ def test_a_frozen_model_under_a_tape_is_planned_and_exact(mode, plans_made):
     """Fine-tuning through a backbone called with training=False (BatchNorm in
     inference mode) takes gradients: it is planned, not run plainly."""
     keras.utils.set_random_seed(0)
-    plain, ours = residual_net(), residual_net()
+    plain, ours = _net(), _net()
     ours.set_weights(plain.get_weights())
     tc.apply_checkpointing(ours, budget="min")
     x = _batch(4)
@@ -162,7 +170,7 @@ def test_a_frozen_model_under_a_tape_is_planned_and_exact(mode, plans_made):
 
 def test_predict_and_evaluate_before_training_plan_nothing(plans_made):
     keras.utils.set_random_seed(0)
-    model = residual_net()
+    model = _net()
     model.compile("sgd", "mse")
     tc.apply_checkpointing(model, budget="min")
     x = np.random.default_rng(0).random((8, 8, 8, 3), np.float32)
@@ -203,7 +211,7 @@ def test_an_unknown_batch_in_a_new_mode_runs_another_modes_plan_and_warns(plans_
     """No plan can be made for a None batch: rather than fail the step, the plan
     of another mode runs, and the warning says its budget may not hold."""
     keras.utils.set_random_seed(0)
-    model = residual_net()
+    model = _net()
     x = _batch(4)
     model(x)
     before = [v.numpy() for v in model.variables]
@@ -235,7 +243,7 @@ def test_an_unknown_batch_in_a_new_mode_runs_another_modes_plan_and_warns(plans_
 
 def test_a_plan_given_for_another_mode_warns_once_and_runs_exactly():
     keras.utils.set_random_seed(0)
-    model = residual_net()
+    model = _net()
     x = _batch(4)
     model(x)
     before = [v.numpy() for v in model.variables]

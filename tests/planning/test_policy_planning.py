@@ -184,8 +184,10 @@ def test_a_plan_mixing_policies_gives_plain_gradients(mode):
 def test_planned_chain_in_a_function_is_exact_and_within_its_prediction():
     blocks, x = _blocks(n=6, width=32)
     x = tf.random.stateless_normal([64, 32], seed=[3, 4])
+    # Planned as the layer runs below (training=False): the layer's plan reuses the
+    # profile and the policies' readings.
     roomy = plan_sequential(blocks, x, budget=2**40, mode="graph", policies="auto",
-                            training=True)
+                            training=False)
     assert roomy.pieces == (Segment(0, 6, False),) and roomy.policies == (DOTS, NO_BATCH)
     budget = int(0.6 * roomy.plain_peak_bytes)
     layer = CheckpointedSequential(blocks, budget=budget, policies="auto")
