@@ -10,10 +10,9 @@ benchmarks/chain/core.py` as well as `python -m benchmarks.chain.core`.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
-import re
 import sys
-import tempfile
 from argparse import ArgumentParser, Namespace
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,15 +31,6 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # no INFO/WARNING/ERROR C++ 
 # TF_ENABLE_ONEDNN_OPTS=0 turns it off.
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 
-# Lines TensorFlow's native libraries print while they load, before their logging is
-# set up, so that TF_CPP_MIN_LOG_LEVEL cannot hide them (measured on TF 2.21, CPU).
-_START_UP_NOISE = re.compile(
-    r"All log messages before absl::InitializeLog|cudart_stub\.cc|cuda_platform\.cc|"
-    r"cpu_feature_guard\.cc|To enable the following instructions|oneDNN custom operations|"
-    r"failed call to cuInit|Unable to register cu(DNN|FFT|BLAS) factory|"
-    r"computation placer already registered|TF-TRT Warning")
-
-
 @contextlib.contextmanager
 def quiet_start_up() -> Iterator[None]:
     """Hides TensorFlow's start-up noise printed to the process's stderr (file
@@ -49,20 +39,14 @@ def quiet_start_up() -> Iterator[None]:
     if "tensorflow" in sys.modules:
         yield
         return
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile(mode="w+b") as captured:
-        os.dup2(captured.fileno(), 2)
-        try:
-            yield
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            captured.seek(0)
-            for line in captured.read().decode(errors="replace").splitlines():
-                if line.strip() and not _START_UP_NOISE.search(line):
-                    print(line, file=sys.stderr)
+    # The package's own filter, read from its file: imported as tf_checkpointing._quiet
+    # it would run the package's __init__, which imports TensorFlow unfiltered.
+    spec = importlib.util.spec_from_file_location(
+        "tf_checkpointing_quiet", REPO / "tf_checkpointing" / "_quiet.py")
+    quiet = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(quiet)
+    with quiet.start_up_noise_hidden():
+        yield
 
 
 def add_output_arguments(parser: ArgumentParser) -> None:

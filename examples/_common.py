@@ -8,23 +8,12 @@ first (``--help`` answers at once), then calls :func:`start_tensorflow`.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
-import re
 import statistics
-import sys
-import tempfile
 import time
-from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
-
-# Lines TensorFlow's native libraries print while they load, before their logging is
-# set up, so that TF_CPP_MIN_LOG_LEVEL cannot hide them (TF 2.21: each of the first
-# three twice, once per library), and what the lower log levels would add.
-_START_UP_NOISE = re.compile(
-    r"All log messages before absl::InitializeLog|oneDNN custom operations|cudart_stub\.cc|"
-    r"cuda_platform\.cc|failed call to cuInit|cpu_feature_guard\.cc|"
-    r"To enable the following instructions|Unable to register cu(DNN|FFT|BLAS) factory|"
-    r"computation placer already registered|TF-TRT Warning")
 
 
 def start_tensorflow() -> None:
@@ -45,24 +34,16 @@ def start_tensorflow() -> None:
         import tf_checkpointing  # noqa: F401
 
 
-@contextlib.contextmanager
-def _start_up_noise_hidden() -> Iterator[None]:
-    """Captures what is written to the process's stderr (file descriptor 2: the C++
-    libraries write there, not to ``sys.stderr``) and passes on all but the noise."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as captured:
-        os.dup2(captured.fileno(), 2)
-        try:
-            yield
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            captured.seek(0)
-            for line in captured.read().decode(errors="replace").splitlines():
-                if line.strip() and not _START_UP_NOISE.search(line):
-                    print(line, file=sys.stderr)
+def _start_up_noise_hidden() -> contextlib.AbstractContextManager:
+    """tf_checkpointing's own filter of TensorFlow's start-up noise, read from its
+    file: imported as ``tf_checkpointing._quiet`` it would run the package's
+    ``__init__``, which imports TensorFlow before the noise is hidden."""
+    package = importlib.util.find_spec("tf_checkpointing")
+    path = Path(package.submodule_search_locations[0]) / "_quiet.py"
+    spec = importlib.util.spec_from_file_location("tf_checkpointing_quiet", path)
+    quiet = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(quiet)
+    return quiet.start_up_noise_hidden()
 
 
 def measured_step(model: Any, x: Any, y: Any, batch_size: int) -> dict[str, float]:
