@@ -94,7 +94,7 @@ def saved_residuals(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[R
         96
     """
     leaves = tf.nest.flatten((args, kwargs))
-    positions = [i for i, leaf in enumerate(leaves) if _is_tensor(leaf)]
+    positions = [i for i, leaf in enumerate(leaves) if is_tensor(leaf)]
     boundary: dict[str, Any] = {}
 
     def traced(*tensors: tf.Tensor) -> Any:
@@ -293,7 +293,7 @@ def _executed(graph: tf.Graph) -> set[tf.Operation]:
     return seen
 
 
-def _is_tensor(leaf: Any) -> bool:
+def is_tensor(leaf: Any) -> bool:
     return isinstance(leaf, (tf.Tensor, np.ndarray)) and not isinstance(leaf, tf.Variable)
 
 

@@ -36,6 +36,7 @@ import tensorflow as tf
 from tf_checkpointing import policies as save_policies
 from tf_checkpointing.core._recompute import checkpointed
 from tf_checkpointing.core._residuals import saved_residuals
+from tf_checkpointing.core._save_policies import keeps_any
 from tf_checkpointing.planning._allocator import planning_function
 from tf_checkpointing.planning._graph_profile import variable_ids
 from tf_checkpointing.planning._profile import layer_key
@@ -174,11 +175,11 @@ def _measure_call(fn: Callable[[Any], Any], x: Any, variables: list[Any],
     nothing = zeros, np.full(len(policies), np.nan), float("nan"), zeros
     if not time_all:
         # Most calls of a model (normalizations, activations, adds) have nothing
-        # a policy keeps: one trace with all the policies at once tells.
+        # a policy keeps: one forward trace with all the policies at once tells.
         def any_policy(out: Any) -> bool:
             return any(policy(out) for policy in policies)
 
-        if kept(checkpointed(fn, policy=any_policy)) == 0:
+        if not keeps_any(any_policy, fn, x):
             return nothing
     # The model planner uses the bytes themselves: no trace of the plain call.
     plain = kept(calls["plain"]) if time_all else 0
