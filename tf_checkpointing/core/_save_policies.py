@@ -306,6 +306,7 @@ def keeps_any(policy: Callable[[policies.OpOutput], Any], fn: Callable[..., Any]
     Example:
         >>> import tensorflow as tf
         >>> from tf_checkpointing import policies
+        >>> from tf_checkpointing.core._save_policies import keeps_any
         >>> w = tf.Variable(tf.ones([3, 3]))
         >>> keeps_any(policies.dots_saveable, lambda x: tf.nn.relu(x @ w), tf.ones([2, 3]))
         True
