@@ -66,11 +66,9 @@ SCRIPT = textwrap.dedent(f"""
 
 
 BOTTLENECKS = textwrap.dedent("""
-    import sys
     import keras, tensorflow as tf
     import tf_checkpointing as tc
 
-    keras.utils.set_random_seed(0)
     L = keras.layers
 
     def bottleneck(x, name):  # ResNet50's: 1x1, 3x3, 1x1 convolutions, BatchNorm, a residual
@@ -79,37 +77,53 @@ BOTTLENECKS = textwrap.dedent("""
         h = L.BatchNormalization()(L.Conv2D(256, 1)(h))
         return L.ReLU()(L.Add()([x, h]))
 
-    inputs = keras.Input((8, 8, 256))
-    h = inputs
-    for i in range(4):
-        h = bottleneck(h, f"b{i}")
-    model = keras.Model(inputs, h)
-    if sys.argv[1] == "checkpointed":
-        tc.apply_checkpointing(model, [L.Conv2D])
+    def step_of(checkpoint):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((8, 8, 256))
+        h = inputs
+        for i in range(4):
+            h = bottleneck(h, f"b{i}")
+        model = keras.Model(inputs, h)
+        if checkpoint:
+            tc.apply_checkpointing(model, [L.Conv2D])
+
+        def step(x):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(model(x, training=True) ** 2)
+            return tape.gradient(loss, model.trainable_variables)
+        return step
+
+    plain, checkpointed = step_of(False), step_of(True)
+
+    def plain_step(x):  # named so that XLA's dumps name them
+        return plain(x)
+
+    def checkpointed_step(x):
+        return checkpointed(x)
+
     x = tf.random.stateless_normal([2, 8, 8, 256], seed=[0, 1])
-
-    @tf.function(jit_compile=True)
-    def step(x):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_sum(model(x, training=True) ** 2)
-        return tape.gradient(loss, model.trainable_variables)
-
-    step(x)
+    for fn in (plain_step, checkpointed_step):
+        tf.function(fn, jit_compile=True)(x)
 """)
 
 
-def _temporaries(tmp_path: Path, flags: str, which: str) -> int:
-    """Bytes of XLA's buffer for the temporaries of the bottleneck stack's step."""
-    out = tmp_path / which
+def _temporaries(tmp_path: Path, flags: str) -> dict:
+    """Per step (``plain``, ``checkpointed``): bytes of XLA's buffer for the
+    temporaries of the bottleneck stack's step."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=str(REPO),
-               XLA_FLAGS=f"--xla_dump_to={out} --xla_dump_hlo_as_text {flags}")
-    done = subprocess.run([sys.executable, "-c", BOTTLENECKS, which], env=env,
+               XLA_FLAGS=f"--xla_dump_to={tmp_path} --xla_dump_hlo_as_text {flags}")
+    done = subprocess.run([sys.executable, "-c", BOTTLENECKS], env=env,
                           capture_output=True, text=True, timeout=300, cwd=REPO)
     if "Unknown flags in XLA_FLAGS" in done.stderr:
         pytest.skip(f"this TensorFlow's XLA has no {flags}")
     assert done.returncode == 0, done.stderr[-3000:]
-    (report,) = out.glob("*_step_*cpu_after_optimizations-buffer-assignment.txt")
-    return int(re.search(r"size (\d+), preallocated-temp", report.read_text()).group(1))
+    found = {}
+    for name in ("plain", "checkpointed"):
+        (report,) = tmp_path.glob(
+            f"*{name}_step*cpu_after_optimizations-buffer-assignment.txt")
+        found[name] = int(re.search(r"size (\d+), preallocated-temp",
+                                    report.read_text()).group(1))
+    return found
 
 
 def _dumped(tmp_path: Path, flags: str) -> dict:
@@ -154,8 +168,8 @@ def test_xla_keeps_each_replay_apart_from_the_forward(tmp_path, flags):
 @pytest.mark.parametrize("flags", ["", "--xla_cpu_enable_concurrency_optimized_scheduler=false"],
                          ids=["default-scheduler", "other-scheduler"])
 def test_xla_turns_a_replayed_filter_when_its_gradient_arrives(tmp_path, flags):
-    plain = _temporaries(tmp_path, flags, "plain")
-    ours = _temporaries(tmp_path, flags, "checkpointed")
+    found = _temporaries(tmp_path, flags)
+    plain, ours = found["plain"], found["checkpointed"]
     if flags:
         # This schedule (TensorFlow 2.16's only one) turns each filter where the
         # backward reads it; on a stack this small checkpointing saves little.
