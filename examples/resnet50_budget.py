@@ -1,10 +1,10 @@
 """Train keras.applications.ResNet50 with ``fit`` within a memory budget.
 
     python examples/resnet50_budget.py           # 128x128, batch 16, budget 0.6x plain (~5 min)
-    python examples/resnet50_budget.py --tiny    # 64x64, batch 8, least memory (~2-4 min)
+    python examples/resnet50_budget.py --tiny    # 64x64, batch 8, least memory (~1.5 min)
 
-(on 2 shared CPU cores; planning measures each of the 176 layer calls, about two
-minutes whatever the size.)
+(on 2 CPU cores; planning measures each of the 176 layer calls: 35-75 s whatever the
+size, depending on the machine's load.)
 
 The model is built from its constructor (random weights, nothing downloaded).
 ``apply_checkpointing(model, budget=...)`` plans, on the first training step,
@@ -27,7 +27,7 @@ import argparse
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true",
-                        help="64x64 images, batch 8, least memory (~2-4 min)")
+                        help="64x64 images, batch 8, least memory (~1.5 min)")
     parser.add_argument("--budget", default=None,
                         help="'min', or a fraction of the plain step's peak (default 0.6; "
                              "--tiny: min)")
