@@ -298,7 +298,7 @@ def keeps_any(policy: Callable[[policies.OpOutput], Any], fn: Callable[..., Any]
     """Whether ``policy`` keeps any tensor of ``fn(*args)`` checkpointed in a graph.
 
     Only the forward is traced, with the policy asked as a checkpointed call's
-    forward asks it: a third of the work of listing the kept bytes with
+    forward asks it: a fraction of the work of listing the kept bytes with
     :func:`~tf_checkpointing.saved_residuals`, which traces the replay and the
     gradient too. What it keeps is a superset of what that listing counts (a kept
     tensor no replay reads is pruned), so False means nothing kept.
