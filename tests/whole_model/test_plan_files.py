@@ -110,6 +110,35 @@ def test_plan_cache_reads_the_plan_of_an_earlier_run_instead_of_planning(tmp_pat
     assert len(list(tmp_path.glob("plan-*.json"))) == 2
 
 
+def _op_net(count=False):
+    """A residual net whose skips are op nodes (``h + y``, a Keras ``Operation``
+    with no weights), as much hand-written functional code adds them."""
+    x = keras.Input((8, 8, 3))
+    h = keras.layers.Conv2D(8, 3, padding="same", name="stem")(x)
+    for i in range(3):
+        y = keras.layers.Conv2D(8, 3, padding="same", name=f"conv{i}")(h)
+        h = h + keras.layers.BatchNormalization(name=f"bn{i}")(y)
+    pooled = keras.layers.GlobalAveragePooling2D(name="pool")(h)
+    return keras.Model(x, keras.layers.Dense(2, name="head")(pooled))
+
+
+def test_plan_cache_keys_a_model_with_op_nodes(tmp_path, monkeypatch):
+    # Keras numbers op nodes per process (add, add_1, ...); a new process numbers
+    # them as the first did, as clear_session does here.
+    keras.backend.clear_session()
+    first = _cached_step(tmp_path, build=_op_net)
+    assert len(list(tmp_path.glob("plan-*.json"))) == 1 and first.call.plan.regions
+    import tf_checkpointing._graph_runner as runner
+
+    def no_planning(*args, **kwargs):
+        raise AssertionError("planned again although the plan was saved")
+
+    monkeypatch.setattr(runner, "plan_graph", no_planning)
+    keras.backend.clear_session()
+    assert _cached_step(tmp_path, build=_op_net).call.plan.to_config() == \
+        first.call.plan.to_config()
+
+
 def test_plan_cache_replans_over_a_file_it_cannot_use_and_says_which(tmp_path):
     _cached_step(tmp_path)
     (saved,) = tmp_path.glob("plan-*.json")

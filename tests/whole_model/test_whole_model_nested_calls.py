@@ -103,6 +103,41 @@ def test_gradients_and_state_equal_plain(case, training, mode):
     assert_all_close(ours[1], plain[1], atol=1e-5)  # BatchNorm statistics, seeds
 
 
+def test_a_region_over_an_op_node_equals_plain(mode):
+    """A region that holds a functional model's op node (here ``h * scale``, a
+    Keras ``Operation`` that is not a layer), as an eager plan over measured
+    times may choose: an eager step read the layer state of each call in it and
+    failed on the op, which has none."""
+    keras.utils.set_random_seed(0)
+    model = dict_head()
+    inputs = [_image(), tf.random.stateless_uniform([4, 1], [3, 4])]
+    model(inputs)
+    before = [v.numpy() for v in model.variables]
+
+    def run():
+        def step(x, s):
+            with tf.GradientTape() as tape:
+                tape.watch([x, s])
+                loss = tf.reduce_sum(model([x, s], training=True) ** 2)
+            return loss, tape.gradient(loss, [x, s, *model.trainable_variables])
+        keras.utils.set_random_seed(7)
+        return compile_step(step, mode)(*inputs), [v.numpy() for v in model.variables]
+
+    plain = run()
+    for variable, value in zip(model.variables, before):
+        variable.assign(value)
+    # Keras numbers the op and Reshape names per process: read them from the graph.
+    names = [call.name for call in read_graph(model, "test").calls]
+    region = names[names.index("inner_bn2"):names.index("inner_relu2") + 3]
+    assert any(name.startswith("multiply") for name in region), region
+    plan = tc.ModelPlan.from_regions(model, [region], mode=mode)
+    tc.apply_checkpointing(model, plan=plan)
+    ours = run()
+    assert_all_close(ours[0][0], plain[0][0])
+    assert_all_close(ours[0][1], plain[0][1], atol=1e-5)
+    assert_all_close(ours[1], plain[1], atol=1e-5)  # BatchNorm statistics, seeds
+
+
 def test_a_frozen_backbone_saves_memory_with_the_least_plan():
     keras.utils.set_random_seed(0)
     model = frozen_head()

@@ -150,8 +150,11 @@ def checkpointed_call(
 
 def layer_state(layer: Any) -> list[Any]:
     """The variables a Keras layer's call may read and then write: its
-    non-trainable variables (statistics, seed generators) and its metrics'."""
-    return [*layer.non_trainable_variables, *layer.metrics_variables]
+    non-trainable variables (statistics, seed generators) and its metrics'.
+    A functional model's op node (``a * b``, ``keras.ops.multiply``) is a Keras
+    ``Operation`` that holds none."""
+    return [*getattr(layer, "non_trainable_variables", ()),
+            *getattr(layer, "metrics_variables", ())]
 
 
 def checkpointed(fn: Callable[..., Any], *, policy: Any = None) -> Callable[..., Any]:

@@ -5,7 +5,7 @@ compiles whole training steps). ``apply_checkpointing(model, budget=...,
 plan_cache=folder)`` asks this module first: a plan made for the same question
 in an earlier run is read back instead of planned again. The question is
 everything the plan depends on, as a key: the model's layer calls (each
-layer's class, configuration and weight shapes, and what each call reads), the
+layer's name, class, configuration and weight shapes, and what each call reads), the
 input shapes and dtypes, the dtype policy, the step's mode, the budget and the
 save policies offered, which layers take gradients, the device, and the
 versions of TensorFlow, Keras and this package. A plan for another question is
@@ -41,8 +41,9 @@ __all__ = ["device_of_step", "file_name", "plan_key", "read_plan", "write_plan"]
 def plan_key(graph: LayerGraph, inputs: Any, *, mode: str, budget: Any,
              policies: tuple[Any, ...], frozen: Any, device: str) -> str:
     """The key of a planning question (a hex digest; see the module docstring)."""
-    weights = [[(tuple(v.shape), str(v.dtype), v.trainable) for v in call.layer.weights]
-               for call in graph.calls]
+    # An op node (``h + y``) is a Keras Operation with no weights.
+    weights = [[(tuple(v.shape), str(v.dtype), v.trainable)
+                for v in getattr(call.layer, "weights", ())] for call in graph.calls]
     question = {
         "calls": list(graph.kinds()), "names": [call.name for call in graph.calls],
         "weights": weights,
