@@ -209,3 +209,64 @@ def test_a_plan_with_policies_keeps_its_budget(request, monkeypatch):
         results.append((fraction, peak / 2**20, budget / 2**20, str(plan)))
         assert peak <= budget, results
     assert any("checkpointed with" in r[3] for r in results), results
+
+
+def _widening(widths):
+    """A chain of Conv2D + BatchNormalization, one width per block: its
+    BatchNormalizations are one family (class and configuration) of many sizes."""
+    x = keras.Input((6, 6, 3))
+    h = x
+    for i, width in enumerate(widths):
+        h = keras.layers.Conv2D(width, 1, name=f"conv{i}")(h)
+        h = keras.layers.BatchNormalization(name=f"bn{i}")(h)
+    return keras.Model(x, h)
+
+
+def test_a_large_family_is_timed_at_samples_of_its_sizes(monkeypatch):
+    """DenseNet121 has 65 BatchNormalizations of other widths, each timed under the
+    reductions policy (a few milliseconds, noisy): only ``POLICY_FAMILY_SAMPLES``
+    of a family are timed, spread over its input sizes, and the others take the
+    median ratio of their three nearest timed neighbours; bytes are all listed."""
+    from tf_checkpointing.planning import _graph_choices
+    from tf_checkpointing.planning._graph import repeated_calls
+
+    timed_sizes = []
+
+    def step_seconds(calls, x, *args, **kwargs):
+        size = sum(int(np.prod(t.shape)) for t in tf.nest.flatten(x))
+        timed_sizes.append(size)
+        replay = 1e-3 * size
+        # A ratio that grows with the size, so that a neighbour's is told apart.
+        return {name: 0.0 if name == "plain" else replay if name == "replay"
+                else replay * size / (size + 500) for name in calls}
+
+    monkeypatch.setattr(_choices, "step_extra_seconds", step_seconds)
+    keras.utils.set_random_seed(0)
+    model = _widening([4 + 2 * i for i in range(12)])
+    graph = read_graph(model, "test")
+    x = tf.random.stateless_normal([2, 6, 6, 3], [0, 3])
+    bns = [i for i, call in enumerate(graph.calls) if call.name.startswith("bn")]
+    sizes = [2 * 6 * 6 * (4 + 2 * k) for k in range(12)]
+
+    def choices(samples):
+        monkeypatch.setattr(_graph_choices, "_FAMILY_SAMPLES", samples)
+        timed_sizes.clear()
+        got = _graph_choices.graph_choices(graph, x, (REDUCTIONS,), repeated_calls(graph),
+                                           xla=False, api="test")
+        return got, sorted(timed_sizes)
+
+    every, all_timed = choices(0)
+    assert all_timed == sizes  # each BatchNormalization timed, no convolution
+    sampled, some_timed = choices(8)
+    assert len(some_timed) == 8 and some_timed[0] == sizes[0] and some_timed[-1] == sizes[-1]
+    np.testing.assert_array_equal(sampled.kept_bytes, every.kept_bytes)
+    assert (sampled.kept_bytes[bns] > 0).all()
+    ratio = sampled.policy_seconds[:, 0] / sampled.replay_seconds
+    for k, i in enumerate(bns):
+        own = sizes[k] / (sizes[k] + 500)
+        if sizes[k] in some_timed:
+            assert ratio[i] == pytest.approx(own)
+        else:
+            nearest = sorted(some_timed, key=lambda s: abs(np.log(s) - np.log(sizes[k])))[:3]
+            assert ratio[i] == pytest.approx(np.median([s / (s + 500) for s in nearest]))
+            assert ratio[i] != pytest.approx(own, rel=1e-3)

@@ -137,7 +137,9 @@ def measure_choices(layers: Sequence[Any], routed: Sequence[dict], inputs: Any,
 def measure_calls(calls: Sequence[Callable[[Any], Any]], inputs: Sequence[Any],
                   variables: Sequence[list], same_as: Sequence[int],
                   policies: tuple[Any, ...], *, xla: bool = False, repeats: int = 7,
-                  time_all: bool = True, max_rounds: Optional[int] = None) -> PolicyChoices:
+                  time_all: bool = True, max_rounds: Optional[int] = None,
+                  families: Optional[Sequence[Any]] = None,
+                  family_samples: int = 0) -> PolicyChoices:
     """What each policy keeps and costs, per call: ``calls[i](inputs[i])`` runs
     call ``i`` (reading ``variables[i]``); ``same_as[i] = j`` says call ``i``
     computes what call ``j`` does (it gets ``j``'s readings). Without
@@ -145,16 +147,40 @@ def measure_calls(calls: Sequence[Callable[[Any], Any]], inputs: Sequence[Any],
     is not timed (its policies are full replays: ``policy_seconds`` is
     ``replay_seconds``, both NaN) and the plain call's bytes are not listed
     (``kept_fraction`` is then of nothing: zero). ``max_rounds`` caps the timing
-    rounds of a call. The caller puts back the state the calls change."""
+    rounds of a call. The caller puts back the state the calls change.
+
+    ``families[i]`` names what call ``i`` computes up to its shapes (a
+    DenseNet's BatchNormalizations, one per width). Without ``time_all``, a
+    family with more than ``family_samples`` calls to time has that many timed
+    (with ``max_rounds``), spread over their input sizes; each other member
+    gets, per policy, the median ratio of policy to full-replay time of the
+    three timed members nearest its input size, and its family's median replay
+    time (the ratio is what the model planner reads): a few-millisecond step's
+    ratio varies more between neighbours than along the family
+    (docs/design.md#policy-timing)."""
+    listed = {i: _kept_by_policies(calls[i], inputs[i], policies, time_all)
+              for i, j in enumerate(same_as) if j == i}
+    to_time = [i for i, got in listed.items() if got is not None and (time_all or got[2].any())]
+    sampled, sampled_down = set(to_time), set()
+    if families is not None and family_samples > 0 and not time_all:
+        sampled = _samples(to_time, families, inputs, family_samples)
+        sampled_down = {families[i] for i in to_time if i not in sampled}
     measured: dict[int, tuple[np.ndarray, np.ndarray, float, np.ndarray]] = {}
-    for i, j in enumerate(same_as):
-        if j == i:
-            # A measurement that stands for several calls gets more rounds (up to
-            # 4x): its noise would count once per call.
+    for i in listed:
+        if i not in to_time:
+            measured[i] = _nothing(len(policies))
+        elif i in sampled:
+            # A measurement that stands for several calls (or for untimed members
+            # of its family) gets more rounds: its noise would count once per call.
             rounds = repeats * min(list(same_as).count(i), 4)
+            if sampled_down and families[i] in sampled_down:
+                rounds = repeats * 4
             rounds = rounds if max_rounds is None else min(rounds, max_rounds)
-            measured[i] = _measure_call(calls[i], inputs[i], list(variables[i]), policies,
-                                        xla, rounds, time_all)
+            measured[i] = _timed(calls[i], inputs[i], list(variables[i]), policies, xla,
+                                 rounds, time_all, listed[i])
+    for i in to_time:
+        if i not in sampled:
+            measured[i] = _from_family(i, listed[i], measured, sampled, families, inputs)
     rows = [measured[j] for j in same_as]
     return PolicyChoices(policies, np.array([r[0] for r in rows]).reshape(len(rows), -1),
                          np.array([r[1] for r in rows]).reshape(len(rows), -1),
@@ -162,17 +188,18 @@ def measure_calls(calls: Sequence[Callable[[Any], Any]], inputs: Sequence[Any],
                          np.array([r[3] for r in rows], float).reshape(len(rows), -1))
 
 
-def _measure_call(fn: Callable[[Any], Any], x: Any, variables: list[Any],
-                  policies: tuple[Any, ...], xla: bool, repeats: int,
-                  time_all: bool) -> tuple[np.ndarray, np.ndarray, float, np.ndarray]:
-    calls: dict[Any, Callable[[Any], Any]] = {"plain": fn, "replay": checkpointed(fn)}
-    calls.update({i: checkpointed(fn, policy=p) for i, p in enumerate(policies)})
+def _nothing(count: int) -> tuple[np.ndarray, np.ndarray, float, np.ndarray]:
+    zeros = np.zeros(count)
+    return zeros, np.full(count, np.nan), float("nan"), zeros
 
+
+def _kept_by_policies(fn: Callable[[Any], Any], x: Any, policies: tuple[Any, ...],
+                      time_all: bool) -> Optional[tuple[np.ndarray, list[int], np.ndarray]]:
+    """The kept fraction, the bytes each policy keeps and those beyond a full
+    replay's; None when no policy keeps anything (checked only without ``time_all``)."""
     def kept(call: Callable[[Any], Any]) -> int:
         return sum(r.bytes for r in saved_residuals(call, x) if r.kind == "activation")
 
-    zeros = np.zeros(len(policies))
-    nothing = zeros, np.full(len(policies), np.nan), float("nan"), zeros
     if not time_all:
         # Most calls of a model (normalizations, activations, adds) have nothing
         # a policy keeps: one forward trace with all the policies at once tells.
@@ -180,29 +207,76 @@ def _measure_call(fn: Callable[[Any], Any], x: Any, variables: list[Any],
             return any(policy(out) for policy in policies)
 
         if not keeps_any(any_policy, fn, x):
-            return nothing
+            return None
     # The model planner uses the bytes themselves: no trace of the plain call.
-    plain = kept(calls["plain"]) if time_all else 0
-    replay = kept(calls["replay"])
-    kept_by = [kept(calls[i]) for i in range(len(policies))]
+    plain = kept(fn) if time_all else 0
+    replay = kept(checkpointed(fn))
+    kept_by = [kept(checkpointed(fn, policy=p)) for p in policies]
     extra_bytes = np.array([max(k - replay, 0) for k in kept_by], float)
-    fraction = np.minimum(extra_bytes / max(plain, 1), 1.0) if time_all else zeros
+    fraction = (np.minimum(extra_bytes / max(plain, 1), 1.0) if time_all
+                else np.zeros(len(policies)))
+    return fraction, kept_by, extra_bytes
+
+
+def _timed(fn: Callable[[Any], Any], x: Any, variables: list[Any],
+           policies: tuple[Any, ...], xla: bool, repeats: int, time_all: bool,
+           listed: tuple[np.ndarray, list[int], np.ndarray],
+           ) -> tuple[np.ndarray, np.ndarray, float, np.ndarray]:
+    fraction, kept_by, extra_bytes = listed
+    steps: dict[Any, Callable[[Any], Any]] = {"plain": fn, "replay": checkpointed(fn)}
     if time_all:
-        extra = step_extra_seconds(calls, x, variables, xla, repeats)
-        return (fraction, np.array([extra[i] for i in range(len(policies))]), extra["replay"],
-                extra_bytes)
-    if not extra_bytes.any():
-        return nothing
+        steps.update({k: checkpointed(fn, policy=p) for k, p in enumerate(policies)})
+        extra = step_extra_seconds(steps, x, variables, xla, repeats)
+        return (fraction, np.array([extra[k] for k in range(len(policies))]),
+                extra["replay"], extra_bytes)
     # Only the policies that keep something, and one of those keeping the same
     # bytes (the same tensors, as a rule: both "auto" policies on a Dense), are
     # timed; the others are full replays.
-    timed = {kept_by[i]: i for i in reversed(range(len(policies))) if extra_bytes[i] > 0}
-    extra = step_extra_seconds({name: calls[name] for name in ["plain", "replay",
-                                                               *timed.values()]},
-                               x, variables, xla, repeats)
-    seconds = np.array([extra[timed[kept_by[i]]] if extra_bytes[i] > 0 else extra["replay"]
-                        for i in range(len(policies))])
+    timed = {kept_by[k]: k for k in reversed(range(len(policies))) if extra_bytes[k] > 0}
+    steps.update({k: checkpointed(fn, policy=policies[k]) for k in timed.values()})
+    extra = step_extra_seconds(steps, x, variables, xla, repeats)
+    seconds = np.array([extra[timed[kept_by[k]]] if extra_bytes[k] > 0 else extra["replay"]
+                        for k in range(len(policies))])
     return fraction, seconds, extra["replay"], extra_bytes
+
+
+def _input_bytes(x: Any) -> float:
+    return float(sum(np.prod(t.shape) * t.dtype.size for t in tf.nest.flatten(x)
+                     if hasattr(t, "dtype")))
+
+
+def _samples(to_time: list[int], families: Sequence[Any], inputs: Sequence[Any],
+             count: int) -> set[int]:
+    """The calls to time: all of a small family, ``count`` of a larger one,
+    spread evenly from its smallest input to its largest."""
+    members: dict[Any, list[int]] = {}
+    for i in to_time:
+        members.setdefault(families[i], []).append(i)
+    chosen: set[int] = set()
+    for group in members.values():
+        by_size = sorted(group, key=lambda i: _input_bytes(inputs[i]))
+        picks = np.linspace(0, len(by_size) - 1, min(count, len(by_size))).round()
+        chosen.update(by_size[int(k)] for k in picks)
+    return chosen
+
+
+def _from_family(i: int, listed: tuple[np.ndarray, list[int], np.ndarray],
+                 measured: dict[int, tuple], sampled: set[int], families: Sequence[Any],
+                 inputs: Sequence[Any]) -> tuple[np.ndarray, np.ndarray, float, np.ndarray]:
+    """An untimed member's readings, from the timed members of its family."""
+    fraction, _, extra_bytes = listed
+    size = np.log(max(_input_bytes(inputs[i]), 1.0))
+    timed = sorted((k for k in sampled if families[k] == families[i]),
+                   key=lambda k: abs(np.log(max(_input_bytes(inputs[k]), 1.0)) - size))
+    replay = float(np.median([measured[k][2] for k in timed]))
+    seconds = np.full(len(extra_bytes), replay)
+    for p in np.flatnonzero(extra_bytes > 0):
+        ratios = [measured[k][1][p] / measured[k][2] for k in timed
+                  if measured[k][3][p] > 0 and measured[k][2] > 0][:3]
+        # No timed neighbour kept with this policy, or their replays were free:
+        # a full replay's time, as where the policy keeps nothing.
+        seconds[p] = replay * float(np.median(ratios)) if ratios else replay
+    return fraction, seconds, replay, extra_bytes
 
 
 def _call_layer(layer: Any, kw: dict, x: Any) -> Any:

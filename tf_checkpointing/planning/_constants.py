@@ -68,6 +68,10 @@ TIMED_RUNS = 3
 # call standing for several, up to POLICY_MAX_ROUNDS (design.md#policy-timing).
 POLICY_REPEATS = 3
 POLICY_MAX_ROUNDS = 8
+# Calls of one family (same class and configuration, other shapes) timed under the
+# policies, spread over their sizes; the others take their neighbours' ratios
+# (design.md#policy-timing).
+POLICY_FAMILY_SAMPLES = 8
 
 # Warnings ------------------------------------------------------------------------
 

@@ -9,9 +9,11 @@ call as a function of the tensors it reads, its bytes kept from
 :func:`~tf_checkpointing.saved_residuals` and its ``tf.function`` (or XLA)
 training step timed plain, fully replayed and under each policy, in
 interleaved rounds. Calls that compute the same thing (a residual network's
-repeated blocks, a transformer's identical blocks) are measured once, and a call where
-no policy keeps anything (a normalization, an activation, an add) is traced
-once and not timed.
+repeated blocks, a transformer's identical blocks) are measured once, a call where
+no policy keeps anything (an activation, an add) is traced
+once and not timed, and of a large family of calls (one class and
+configuration, other widths: a DenseNet's normalizations) a few sizes are
+timed for the rest.
 
 A region's time under a policy is then its calls' forward time (the unit of
 the region program) times, per call, the measured ratio of the policy's
@@ -28,6 +30,7 @@ import tensorflow as tf
 
 from tf_checkpointing.planning._allocator import concrete_inputs, in_fresh_thread
 from tf_checkpointing.planning._choices import PolicyChoices, measure_calls
+from tf_checkpointing.planning._constants import POLICY_FAMILY_SAMPLES as _FAMILY_SAMPLES
 from tf_checkpointing.planning._constants import POLICY_MAX_ROUNDS as _MAX_ROUNDS
 from tf_checkpointing.planning._constants import POLICY_REPEATS as _REPEATS
 from tf_checkpointing.planning._graph import GraphCall, LayerGraph, last_uses, run_call, tensor_keys
@@ -84,10 +87,24 @@ def _measure(graph: LayerGraph, inputs: Any, policies: tuple[Any, ...], same_as:
         variables = [list(getattr(call.layer, "trainable_variables", ()))
                      for call in graph.calls]
         return measure_calls(calls, arguments, variables, same_as, policies, xla=xla,
-                             repeats=_REPEATS, time_all=False, max_rounds=_MAX_ROUNDS)
+                             repeats=_REPEATS, time_all=False, max_rounds=_MAX_ROUNDS,
+                             families=[_family(call, i) for i, call in enumerate(graph.calls)],
+                             family_samples=_FAMILY_SAMPLES)
     finally:
         for variable, value in zip(state, saved):
             variable.assign(value)
+
+
+def _family(call: GraphCall, i: int) -> str:
+    """What ``call`` computes up to its shapes: its layer's class and
+    configuration (but the name) and the call's arguments that are not tensors."""
+    try:
+        config = dict(call.layer.get_config())
+    except Exception:  # noqa: BLE001 - no config: a family of its own
+        return repr(("unique", i))
+    config.pop("name", None)
+    arguments = call.arguments.convert(lambda v: "T" if hasattr(v, "shape") else v)
+    return repr((type(call.layer), sorted(config.items()), arguments))
 
 
 def _run(call: GraphCall, values: tuple) -> tuple:
