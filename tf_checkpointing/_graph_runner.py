@@ -277,14 +277,21 @@ def install(model: Any, *, plan: Optional[ModelPlan] = None, budget: Optional[Bu
     if plan is not None:
         names = tuple(call.name for call in graph.calls)
         # Another instance of the same architecture (its layers numbered on by
-        # Keras) runs the plan too: regions are positions in the same graph.
-        if names != plan.call_names and not (plan.call_kinds
-                                             and plan.call_kinds == graph.kinds()):
+        # Keras) runs the plan too: regions are positions in the same graph. The
+        # same names are not enough where the plan knows what each call computes
+        # (a Conv2D "stem" of other width, a slice h[:, :1] for h[:, :64]).
+        fits = (plan.call_kinds == graph.kinds() if plan.call_kinds
+                else names == plan.call_names)
+        if not fits:
+            same = names == plan.call_names
+            named = ("" if len(names) != len(plan.call_names)
+                     else " with the same names" if same else " with other names")
+            computed = ("" if not plan.call_kinds else
+                        f" {'but' if same else 'and'} other layers, arguments or connections")
             raise ValueError(
                 f"{_API}: argument `plan` was made for another model: it has "
-                f"{len(plan.call_names)} layer calls, `{model.name}` has {len(names)}"
-                f"{'' if len(names) != len(plan.call_names) else ' with other names'}"
-                f"{'' if not plan.call_kinds else ' and other layers or connections'}. "
+                f"{len(plan.call_names)} layer calls, `{model.name}` has {len(names)}{named}"
+                f"{computed}. "
                 "Make the plan with plan_model(model, inputs, budget=...) on this model."
             )
     current = vars(model).get("call")

@@ -22,6 +22,7 @@ import keras
 import tensorflow as tf
 
 from tf_checkpointing._graph_runner import install, model_runner
+from tf_checkpointing.core._internals import keras_numpy_ops
 from tf_checkpointing.planning._allocator import expect_statistics
 from tf_checkpointing.planning._budget import expect_budget
 from tf_checkpointing.planning._choices import expect_policies
@@ -43,6 +44,9 @@ _KEEP_NOTHING = (
     keras.layers.GlobalAveragePooling1D, keras.layers.GlobalAveragePooling2D,
     keras.layers.AveragePooling1D, keras.layers.AveragePooling2D, keras.layers.Permute,
     keras.layers.Identity, keras.layers.Rescaling,
+    # Op nodes of a functional graph (`x + y`, `keras.ops.concatenate`).
+    keras_numpy_ops.Add, keras_numpy_ops.Subtract, keras_numpy_ops.Concatenate,
+    keras_numpy_ops.Reshape, keras_numpy_ops.Transpose,
 )
 _KEEP_INPUT = (
     keras.layers.Dense, keras.layers.EinsumDense, keras.layers.Conv1D, keras.layers.Conv2D,
@@ -50,7 +54,7 @@ _KEEP_INPUT = (
     keras.layers.Conv2DTranspose, keras.layers.BatchNormalization,
     keras.layers.LayerNormalization, keras.layers.Multiply, keras.layers.MaxPooling1D,
     keras.layers.MaxPooling2D, keras.layers.GlobalMaxPooling2D, keras.layers.Dropout,
-    keras.layers.Activation, keras.layers.ReLU, keras.layers.Softmax,
+    keras.layers.Activation, keras.layers.ReLU, keras.layers.Softmax, keras_numpy_ops.Multiply,
 )
 
 

@@ -156,7 +156,7 @@ def test_a_replay_counts_a_backward_that_allocates_after_its_output_is_freed():
     assert np.array_equal(measured.plain_need, unmeasured.plain_need)
 
 
-def _add_graph(later_reader):
+def _add_graph(later_reader, op=False):
     import keras
 
     from tf_checkpointing.planning._graph import read_graph
@@ -164,24 +164,29 @@ def _add_graph(later_reader):
     x = keras.Input((8,))
     short = keras.layers.Dense(8, name="short")(x)
     branch = keras.layers.Dense(8, name="branch")(short)
-    added = keras.layers.Add(name="add")([short, branch])
+    # `short + branch` is a Keras op node (an Operation, not a layer), as much
+    # hand-written functional code adds a residual.
+    added = short + branch if op else keras.layers.Add(name="add")([short, branch])
     # Keras runs "row" after "add": reading short, it keeps short's gradient apart.
     row = keras.layers.Dense(1, name="row")(short if later_reader else added)
     out = keras.layers.Add(name="broadcast")([added, row])  # (None, 8) + (None, 1)
     return read_graph(keras.Model(x, out), "test")
 
 
+@pytest.mark.parametrize("op", [False, True], ids=["layer", "op_node"])
 @pytest.mark.parametrize("later_reader", [False, True])
-def test_the_inputs_of_an_add_share_one_gradient_until_another_reader(later_reader):
+def test_the_inputs_of_an_add_share_one_gradient_until_another_reader(later_reader, op):
     # tf.add passes its output's gradient to each same-shaped input: at the cut
     # before the Add, a branch output and a shortcut that nothing else reads
     # afterwards have one gradient tensor between them.
     from tf_checkpointing.planning._graph import tensor_keys
     from tf_checkpointing.planning._model_profile import _shared_gradients
 
-    graph = _add_graph(later_reader)
+    graph = _add_graph(later_reader, op)
     sizes = {key: (32, True) for key in tensor_keys(graph)}
     order = [call.name for call in graph.calls]
+    # The op node's name is numbered; the layer's and the op's classes are both Add.
+    order[next(i for i, c in enumerate(graph.calls) if type(c.layer).__name__ == "Add")] = "add"
     shared = _shared_gradients(graph, sizes)
     assert shared[order.index("add")] == (0 if later_reader else 32)
     # Before the branch ran, short still has another reader (the branch).

@@ -215,6 +215,36 @@ def test_planning_leaves_no_trace_in_a_fit_step(jit_compile, tmp_path):
     _assert_same_state(ours_saved, plain_saved)
 
 
+@pytest.fixture
+def mixed_float16():
+    previous = keras.config.dtype_policy()
+    keras.config.set_dtype_policy("mixed_float16")
+    yield
+    keras.config.set_dtype_policy(previous)
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph", "xla"])
+def test_planning_under_mixed_precision_puts_back_float32_weights(mixed_float16, mode):
+    """Planning on the first training call runs inside the model's Keras call,
+    whose autocast scope reads a float32 variable as float16: the weights were
+    saved so, and put back rounded to float16 (and an optimizer's learning rate,
+    tracked by a compiled model, 0.001 -> 0.0010004)."""
+    x = tf.random.stateless_normal([8, 16], seed=[5, 7])
+
+    def first_step(checkpoint):
+        model = _model(Tracked(name="tracked"), batch_norm=True)
+        model.compile(keras.optimizers.SGD(1e-3), "mse")  # tracks the learning rate
+        model(x)
+        if checkpoint:
+            tc.apply_checkpointing(model, budget="min")
+        grads_of(lambda x: model(x, training=True), [x], model.trainable_variables, mode)
+        return _state(model, [v.numpy() for v in model.optimizer.variables])
+
+    ours, plain = first_step(True), first_step(False)
+    assert ours["0 first/kernel"].dtype == np.float32
+    _assert_same_state(ours, plain)
+
+
 class LegacyDropout(keras.layers.Layer):
     """``tf.nn.dropout`` without a seed: a legacy stateful random op."""
 

@@ -73,6 +73,29 @@ def test_a_plan_that_no_longer_fits_the_model_is_refused():
         tc.apply_checkpointing(changed, plan=tc.ModelPlan.from_config(config))
 
 
+def _sliced(width):
+    """Two models whose graphs differ only in an op node's argument: the slice."""
+    x = keras.Input((8, 8, 3))
+    h = keras.layers.Conv2D(8, 3, padding="same", name="stem")(x)
+    h = keras.layers.Conv2D(8, 3, padding="same", name="conv")(h[..., :width])
+    return keras.Model(x, keras.layers.GlobalAveragePooling2D(name="pool")(h))
+
+
+def test_a_plan_for_another_slice_of_the_same_names_is_refused(tmp_path):
+    keras.backend.clear_session()
+    wide = _sliced(8)
+    plan = tc.ModelPlan.from_regions(wide, [list(tc.ModelPlan.from_regions(
+        wide, [["stem"]]).names[:3])])
+    keras.backend.clear_session()
+    narrow = _sliced(1)  # the same layer and op names, in the same order
+    assert plan.names == tc.ModelPlan.from_regions(narrow, [["stem"]]).names
+    with pytest.raises(ValueError, match=r"made for another model.*with the same names "
+                                         r"but other layers, arguments or connections"):
+        tc.apply_checkpointing(narrow, plan=plan)
+    keras.backend.clear_session()
+    tc.apply_checkpointing(_sliced(8), plan=plan)  # the same model: accepted
+
+
 def _cached_step(tmp_path, budget="min", build=None):
     """A fresh model (same seed) with ``apply_checkpointing(budget=, plan_cache=)``,
     and one traced training step run on it; returns the model."""

@@ -265,6 +265,19 @@ def test_costly_selection_warns_and_names_the_budget():
         tc.apply_checkpointing(nested(), ["inner"])
 
 
+def test_costly_selection_warns_where_residuals_are_op_nodes():
+    """`x + y` is a Keras op node, not a layer: the prediction knows it too (it
+    gave up on the whole model, silently, at the first op node)."""
+    x = keras.Input((8, 8, 3))
+    h = keras.layers.Conv2D(8, 3, padding="same")(x)
+    for _ in range(3):
+        y = keras.layers.BatchNormalization()(keras.layers.Conv2D(8, 3, padding="same")(h))
+        h = h + keras.layers.ReLU()(y)
+    model = keras.Model(x, keras.layers.GlobalAveragePooling2D()(h))
+    with pytest.warns(UserWarning, match=r"predicted to keep 1\.\d+x.*budget='min'"):
+        tc.apply_checkpointing(model, [keras.layers.ReLU, keras.layers.BatchNormalization])
+
+
 @pytest.mark.parametrize("api", ["checkpoint_sequential", "CheckpointedSequential"])
 def test_chain_apis_say_a_dag_is_not_a_chain(api):
     model = residual_net(count=False)

@@ -16,6 +16,7 @@ from keras.src.backend.common import global_state as keras_global_state  # _seed
 from keras.src.backend.common import symbolic_scope  # _layer_proxy: shape inference
 from keras.src.backend.common.masking import get_keras_mask, set_keras_mask  # graph runner
 from keras.src.models.functional import operation_fn, unpack_singleton  # planning._graph
+from keras.src.ops import numpy as keras_numpy_ops  # op nodes of a graph (`x + y`)
 from keras.src.ops.symbolic_arguments import SymbolicArguments  # _nested_inputs
 from keras.src.random.seed_generator import GLOBAL_SEED_GENERATOR  # _seeding
 
@@ -43,7 +44,8 @@ __all__ = [
     "GLOBAL_SEED_GENERATOR", "KerasTensor", "SymbolicArguments", "autograph_config",
     "context", "control_flow_util", "control_flow_v2_func_graphs", "forwardprop_util",
     "func_graph", "gen_random_ops", "gen_resource_variable_ops", "get_keras_mask",
-    "is_float_dtype", "keras_backend", "keras_global_state", "op_callbacks", "operation_fn",
+    "is_float_dtype", "keras_backend", "keras_global_state", "keras_numpy_ops", "op_callbacks",
+    "operation_fn",
     "pywrap_tfe", "random_seed", "record", "set_keras_mask", "standardize_dtype",
     "stateful_random_ops", "symbolic_scope", "tape_lib", "tensor_array_ops", "unpack_singleton",
     "xplane_pb2",

@@ -21,6 +21,7 @@ import itertools
 from typing import Any, Optional
 
 import keras
+import tensorflow as tf
 
 from tf_checkpointing.core._internals import operation_fn as _operation_fn
 from tf_checkpointing.planning._nested_inputs import (
@@ -105,14 +106,24 @@ class LayerGraph:
 
     def kinds(self) -> tuple[str, ...]:
         """Per call, what it computes whatever the layers are named: its layer's
-        class and configuration (but the name), and the calls (or model inputs,
-        by position) whose outputs it reads, by position."""
+        class and configuration (but the name), the arguments that are not
+        tensors (``h[:, :64]``'s index, ``use_causal_mask=True``), and the calls
+        (or model inputs, by position) whose outputs it reads, by position."""
         made = self.producers()
         made.update({key: -1 - i for i, key in enumerate(self.input_keys)})
         outputs = {key: j for call in self.calls for j, key in enumerate(call.out_keys)}
         return tuple(repr((layer_key(call.layer, dict(call.defaults)),
-                           [(made.get(k), outputs.get(k, 0)) for k in call.arg_keys]))
+                           [(made.get(k), outputs.get(k, 0)) for k in call.arg_keys],
+                           *_non_tensor_arguments(call)))
                      for call in self.calls)
+
+
+def _non_tensor_arguments(call: GraphCall) -> tuple[Any, ...]:
+    """The call's arguments with each tensor as "T", when any is not a tensor
+    (else nothing: the kinds of calls on tensors alone read as they always did)."""
+    arguments = call.arguments.convert(lambda v: "T" if hasattr(v, "shape") else v)
+    leaves = tf.nest.flatten(arguments)
+    return (arguments,) if any(not (isinstance(v, str) and v == "T") for v in leaves) else ()
 
 
 def functional_of(model: Any) -> Any:

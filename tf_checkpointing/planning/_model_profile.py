@@ -18,6 +18,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tf_checkpointing.core._internals import keras_numpy_ops
 from tf_checkpointing.planning._allocator import in_fresh_thread
 from tf_checkpointing.planning._cache import registered
 from tf_checkpointing.planning._choices import PolicyChoices
@@ -177,7 +178,7 @@ def _shared_gradients(graph: LayerGraph, sizes: dict) -> np.ndarray:
     outputs = set(graph.output_keys)
     shared = np.zeros(n + 1)
     for r, call in enumerate(graph.calls):
-        if not isinstance(call.layer, keras.layers.Add):
+        if not isinstance(call.layer, (keras.layers.Add, keras_numpy_ops.Add)):
             continue
         shapes = {key: tuple(t.shape) for key, t in zip(call.arg_keys,
                                                         call.arguments.keras_tensors)}

@@ -50,7 +50,9 @@ def nothing_left(roots: Iterable[Any]) -> Iterator[None]:
     every variable ``roots`` own, the random sequences and the global generator."""
     variables = owned_variables(roots)
     generator = stateful_random_ops.global_generator
-    with tf.init_scope():  # a step being traced: the values are read eagerly
+    # Outside the caller's Keras call: its autocast scope (mixed precision) reads
+    # a float32 variable as float16, which would be put back rounded.
+    with tf.init_scope(), _keras_context.outside():  # a step being traced: read eagerly
         # Copies (np.array): a view of a variable's buffer would make its next
         # update copy it, in the pool the profile measures.
         saved = [np.array(v.numpy()) for v in variables]
@@ -59,7 +61,7 @@ def nothing_left(roots: Iterable[Any]) -> Iterator[None]:
         with random_state_kept(), _keras_context.outside():
             yield
     finally:
-        with tf.init_scope():
+        with tf.init_scope(), _keras_context.outside():
             for variable, value in zip(variables, saved):
                 variable.assign(value)
             if generator is not None and stateful_random_ops.global_generator is generator:
