@@ -52,6 +52,34 @@ def test_checkpointing_keeps_only_inputs_and_policies_add_their_picks():
         "checkpoint_name up"]
 
 
+def test_the_forward_bounds_each_policys_kept_bytes_in_one_trace():
+    """What the planner reads instead of a listing per policy: one forward trace
+    for every policy gives, per policy, the bytes it keeps; here, as a rule, the
+    bytes the listing counts (it is an upper bound: a kept tensor no replay reads
+    is pruned from the listing)."""
+    from tf_checkpointing.core._save_policies import forward_kept_bytes
+
+    w1, w2 = tf.Variable(tf.ones([8, 16])), tf.Variable(tf.ones([16, 8]))
+
+    def body(x):
+        h = tf.nn.gelu(checkpoint_name(x @ w1, "up"))
+        mean, variance = tf.nn.moments(h, axes=[0])
+        return ((h - mean) * tf.math.rsqrt(variance + 1e-3)) @ w2
+
+    x = tf.random.stateless_normal([32, 8], [0, 1])
+    candidates = [policies.dots_saveable, policies.reductions_saveable,
+                  policies.save_only_these_names("up"), policies.nothing_saveable]
+    bound = forward_kept_bytes(candidates, body, x)
+    replay = _activations(saved_residuals(checkpointable(body, checkpoint=True), x))
+    listed = [_activations(saved_residuals(checkpointable(body, checkpoint=True, policy=p), x))
+              - replay for p in candidates]
+    # The moments (16 numbers each), the named product, nothing: as listed.
+    assert bound[1:] == listed[1:] == [2 * 16 * 4, 32 * 16 * 4, 0]
+    # dots_saveable keeps both products in the forward; no replay reads the last
+    # one (the call's output), so the listing prunes it.
+    assert bound[0] == listed[0] + 32 * 8 * 4 and listed[0] == 32 * 16 * 4
+
+
 def test_print_saved_residuals_prints_a_table_with_a_total(capsys):
     print_saved_residuals(lambda x: tf.sin(x) * 2.0, tf.ones([4]))
     out = capsys.readouterr().out

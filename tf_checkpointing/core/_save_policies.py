@@ -293,41 +293,52 @@ class _Substitute:
         return replaced
 
 
-def keeps_any(policy: Callable[[policies.OpOutput], Any], fn: Callable[..., Any],
-              *args: Any) -> bool:
-    """Whether ``policy`` keeps any tensor of ``fn(*args)`` checkpointed in a graph.
+def forward_kept_bytes(candidates: Sequence[Callable[[policies.OpOutput], Any]],
+                       fn: Callable[..., Any], *args: Any) -> list[Optional[int]]:
+    """Per policy of ``candidates``, the bytes of the tensors it keeps of
+    ``fn(*args)`` checkpointed in a graph (None where a kept tensor's shape is
+    not fully known).
 
-    Only the forward is traced, with the policy asked as a checkpointed call's
-    forward asks it: a fraction of the work of listing the kept bytes with
-    :func:`~tf_checkpointing.saved_residuals`, which traces the replay and the
-    gradient too. What it keeps is a superset of what that listing counts (a kept
-    tensor no replay reads is pruned), so False means nothing kept.
+    Only the forward is traced, once for all the policies, each asked as a
+    checkpointed call's forward asks it: a fraction of the work of listing the
+    kept bytes with :func:`~tf_checkpointing.saved_residuals`, which traces the
+    replay and the gradient too, per policy. What a policy keeps here is a
+    superset of what that listing counts (a kept tensor no replay reads is
+    pruned), so 0 means nothing kept, and the bytes are an upper bound.
 
     Example:
         >>> import tensorflow as tf
         >>> from tf_checkpointing import policies
-        >>> from tf_checkpointing.core._save_policies import keeps_any
+        >>> from tf_checkpointing.core._save_policies import forward_kept_bytes
         >>> w = tf.Variable(tf.ones([3, 3]))
-        >>> keeps_any(policies.dots_saveable, lambda x: tf.nn.relu(x @ w), tf.ones([2, 3]))
-        True
-        >>> keeps_any(policies.dots_saveable, tf.nn.relu, tf.ones([2, 3]))
-        False
+        >>> forward_kept_bytes([policies.dots_saveable, policies.reductions_saveable],
+        ...                    lambda x: tf.nn.relu(x @ w), tf.ones([2, 3]))
+        [24, 0]
     """
     leaves = tf.nest.flatten(args)
     positions = [i for i, leaf in enumerate(leaves) if _residuals.is_tensor(leaf)]
-    saver = Saver(policy)
+    savers = [Saver(policy) for policy in candidates]
 
     def forward(*tensors: tf.Tensor) -> list:
         full = list(leaves)
         for i, tensor in zip(positions, tensors):
             full[i] = tensor
-        with checkpoint_scope(recomputing=False), saver.active():
+        with checkpoint_scope(recomputing=False), contextlib.ExitStack() as stack:
+            for saver in savers:  # each records beside the others: one trace for all
+                stack.enter_context(saver.active())
             fn(*tf.nest.pack_sequence_as(args, full))
         return []
 
     specs = [tf.TensorSpec.from_tensor(tf.convert_to_tensor(leaves[i])) for i in positions]
     tf.function(forward, autograph=False).get_concrete_function(*specs)
-    return bool(saver.kept)
+    return [_bytes_of(saver.kept) for saver in savers]
+
+
+def _bytes_of(tensors: Sequence[tf.Tensor]) -> Optional[int]:
+    sizes = [t.shape.num_elements() for t in tensors]
+    if any(size is None for size in sizes):
+        return None
+    return sum(size * t.dtype.size for size, t in zip(sizes, tensors))
 
 
 NO_SAVER: Any = type("_NoSaver", (), {"active": staticmethod(contextlib.nullcontext)})()

@@ -36,8 +36,9 @@ import tensorflow as tf
 from tf_checkpointing import policies as save_policies
 from tf_checkpointing.core._recompute import checkpointed
 from tf_checkpointing.core._residuals import saved_residuals
-from tf_checkpointing.core._save_policies import keeps_any
+from tf_checkpointing.core._save_policies import forward_kept_bytes
 from tf_checkpointing.planning._allocator import planning_function
+from tf_checkpointing.planning._constants import POLICY_SMALL_KEPT as _SMALL_KEPT
 from tf_checkpointing.planning._graph_profile import variable_ids
 from tf_checkpointing.planning._profile import layer_key
 
@@ -102,7 +103,9 @@ class PolicyChoices:
         policy_seconds: ``[layer, policy]``, the step time it adds to plain's.
         replay_seconds: ``[layer]``, the step time a full replay adds to plain's.
         kept_bytes: ``[layer, policy]``, the bytes the policy keeps beyond a full
-            replay's (as :func:`~tf_checkpointing.saved_residuals` lists them).
+            replay's (as :func:`~tf_checkpointing.saved_residuals` lists them; for
+            the model planner, where they are at most ``POLICY_SMALL_KEPT`` of the
+            call's inputs, the forward's upper bound).
     """
 
     policies: tuple[Any, ...]
@@ -200,21 +203,22 @@ def _kept_by_policies(fn: Callable[[Any], Any], x: Any, policies: tuple[Any, ...
     def kept(call: Callable[[Any], Any]) -> int:
         return sum(r.bytes for r in saved_residuals(call, x) if r.kind == "activation")
 
+    zeros = np.zeros(len(policies))
     if not time_all:
-        # Most calls of a model (normalizations, activations, adds) have nothing
-        # a policy keeps: one forward trace with all the policies at once tells.
-        def any_policy(out: Any) -> bool:
-            return any(policy(out) for policy in policies)
-
-        if not keeps_any(any_policy, fn, x):
+        # Most calls of a model (activations, adds) have nothing a policy keeps,
+        # and a normalization keeps only its moments under reductions_saveable:
+        # one forward trace for all the policies tells, and bounds the bytes.
+        bound = forward_kept_bytes(policies, fn, x)
+        if all(b == 0 for b in bound):  # None: a kept tensor of unknown size
             return None
+        if None not in bound and max(bound) <= _SMALL_KEPT * _input_bytes(x):
+            return zeros, bound, np.array(bound, float)
     # The model planner uses the bytes themselves: no trace of the plain call.
     plain = kept(fn) if time_all else 0
     replay = kept(checkpointed(fn))
     kept_by = [kept(checkpointed(fn, policy=p)) for p in policies]
     extra_bytes = np.array([max(k - replay, 0) for k in kept_by], float)
-    fraction = (np.minimum(extra_bytes / max(plain, 1), 1.0) if time_all
-                else np.zeros(len(policies)))
+    fraction = np.minimum(extra_bytes / max(plain, 1), 1.0) if time_all else zeros
     return fraction, kept_by, extra_bytes
 
 

@@ -72,6 +72,10 @@ POLICY_MAX_ROUNDS = 8
 # policies, spread over their sizes; the others take their neighbours' ratios
 # (design.md#policy-timing).
 POLICY_FAMILY_SAMPLES = 8
+# A call whose policies keep, in its forward, at most this share of its inputs' bytes
+# (a normalization's moments) is given those bytes, an upper bound, instead of
+# their listing by saved_residuals (design.md#policy-timing).
+POLICY_SMALL_KEPT = 1 / 64
 
 # Warnings ------------------------------------------------------------------------
 
