@@ -27,6 +27,17 @@ def mode(request):
     return request.param
 
 
+@pytest.fixture
+def mixed_float16():
+    """Keras' global dtype policy "mixed_float16" for the test, then the one before."""
+    import keras
+
+    previous = keras.config.dtype_policy()
+    keras.config.set_dtype_policy("mixed_float16")
+    yield
+    keras.config.set_dtype_policy(previous)
+
+
 @pytest.fixture(autouse=True)
 def _forget_planned_chains():
     """The planner caches profiles with their layers; dropping them after each test

@@ -215,14 +215,6 @@ def test_planning_leaves_no_trace_in_a_fit_step(jit_compile, tmp_path):
     _assert_same_state(ours_saved, plain_saved)
 
 
-@pytest.fixture
-def mixed_float16():
-    previous = keras.config.dtype_policy()
-    keras.config.set_dtype_policy("mixed_float16")
-    yield
-    keras.config.set_dtype_policy(previous)
-
-
 @pytest.mark.parametrize("mode", ["eager", "graph", "xla"])
 def test_planning_under_mixed_precision_puts_back_float32_weights(mixed_float16, mode):
     """Planning on the first training call runs inside the model's Keras call,

@@ -17,14 +17,6 @@ from helpers import REPO, assert_all_close, grads_of, residual_net
 import tf_checkpointing as tc
 
 
-@pytest.fixture
-def mixed_float16():
-    previous = keras.config.dtype_policy()
-    keras.config.set_dtype_policy("mixed_float16")
-    yield
-    keras.config.set_dtype_policy(previous)
-
-
 def test_mixed_precision_gradients_equal_plain(mixed_float16, mode):
     keras.utils.set_random_seed(0)
     model = residual_net()
