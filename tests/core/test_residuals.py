@@ -113,7 +113,9 @@ for case, (policy, checkpoint) in {ALLOCATOR_CASES!r}.items():
 
     x = workload.stem(workload.make_batch(4)[0], training=True)
     listed = sum(r.bytes for r in saved_residuals(decoder, x) if r.kind == "activation")
-    found[case] = (listed, held_bytes(decoder, x))
+    # The least of 10 readings: a forward op the reading does not wait for may still
+    # hold its temporaries (once 24 KB over the replayed case's 143 KB, in CI).
+    found[case] = (listed, held_bytes(decoder, x, steps=10))
 print("RESULT", json.dumps(found))
 """
 
