@@ -118,10 +118,16 @@ class LayerGraph:
                      for call in self.calls)
 
 
+def argument_pattern(call: GraphCall) -> Any:
+    """The call's arguments with each tensor as "T": what, besides its layer and
+    shapes, tells one call's computation from another's (``h[:, :64]``'s index)."""
+    return call.arguments.convert(lambda v: "T" if hasattr(v, "shape") else v)
+
+
 def _non_tensor_arguments(call: GraphCall) -> tuple[Any, ...]:
-    """The call's arguments with each tensor as "T", when any is not a tensor
-    (else nothing: the kinds of calls on tensors alone read as they always did)."""
-    arguments = call.arguments.convert(lambda v: "T" if hasattr(v, "shape") else v)
+    """``argument_pattern(call)`` when any argument is not a tensor (else nothing:
+    the kinds of calls on tensors alone read as they always did)."""
+    arguments = argument_pattern(call)
     leaves = tf.nest.flatten(arguments)
     return (arguments,) if any(not (isinstance(v, str) and v == "T") for v in leaves) else ()
 
@@ -293,7 +299,7 @@ def repeated_calls(graph: LayerGraph) -> list[int]:
             config = dict(call.layer.get_config())
             config.pop("name", None)
             shapes = [(tuple(t.shape), str(t.dtype)) for t in call.arguments.keras_tensors]
-            arguments = call.arguments.convert(lambda v: "T" if hasattr(v, "shape") else v)
+            arguments = argument_pattern(call)
             key = repr((type(call.layer), sorted(config.items()), shapes, arguments,
                         [tuple(w.shape) for w in call.layer.weights]))
         except Exception:  # noqa: BLE001 - no config: profiled on its own

@@ -33,7 +33,14 @@ from tf_checkpointing.planning._choices import PolicyChoices, measure_calls
 from tf_checkpointing.planning._constants import POLICY_FAMILY_SAMPLES as _FAMILY_SAMPLES
 from tf_checkpointing.planning._constants import POLICY_MAX_ROUNDS as _MAX_ROUNDS
 from tf_checkpointing.planning._constants import POLICY_REPEATS as _REPEATS
-from tf_checkpointing.planning._graph import GraphCall, LayerGraph, last_uses, run_call, tensor_keys
+from tf_checkpointing.planning._graph import (
+    GraphCall,
+    LayerGraph,
+    argument_pattern,
+    last_uses,
+    run_call,
+    tensor_keys,
+)
 
 __all__: list[str] = []
 
@@ -103,8 +110,7 @@ def _family(call: GraphCall, i: int) -> str:
     except Exception:  # noqa: BLE001 - no config: a family of its own
         return repr(("unique", i))
     config.pop("name", None)
-    arguments = call.arguments.convert(lambda v: "T" if hasattr(v, "shape") else v)
-    return repr((type(call.layer), sorted(config.items()), arguments))
+    return repr((type(call.layer), sorted(config.items()), argument_pattern(call)))
 
 
 def _run(call: GraphCall, values: tuple) -> tuple:
