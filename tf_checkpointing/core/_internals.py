@@ -31,6 +31,7 @@ from tensorflow.python.ops import (
     control_flow_v2_func_graphs,
     gen_random_ops,
     gen_resource_variable_ops,
+    resource_variable_ops,  # planning._no_trace: every variable's storage class
     stateful_random_ops,  # planning._no_trace: the global generator
     tensor_array_ops,
 )
@@ -46,7 +47,8 @@ __all__ = [
     "func_graph", "gen_random_ops", "gen_resource_variable_ops", "get_keras_mask",
     "is_float_dtype", "keras_backend", "keras_global_state", "keras_numpy_ops", "op_callbacks",
     "operation_fn",
-    "pywrap_tfe", "random_seed", "record", "set_keras_mask", "standardize_dtype",
+    "pywrap_tfe", "random_seed", "record", "resource_variable_ops", "set_keras_mask",
+    "standardize_dtype",
     "stateful_random_ops", "symbolic_scope", "tape_lib", "tensor_array_ops", "unpack_singleton",
     "xplane_pb2",
 ]

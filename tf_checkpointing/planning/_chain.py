@@ -79,7 +79,7 @@ def cached_plan(layers: list[Any], inputs: Any, budget: Budget, kwargs: dict[str
         trainable = None if not frozen else _variables(layers[frozen:])
         # Identical layers on equal shapes (a transformer's blocks) share one
         # graph profile, which cuts planning time (see docs/design.md#chain-planner).
-        with nothing_left(layers), _progress.planning(api, f"a chain of {len(layers)} layers"):
+        with nothing_left(), _progress.planning(api, f"a chain of {len(layers)} layers"):
             profile = profile_chain(calls, inputs, names=names, api=api, compiled=compiled,
                                     xla=xla, layer_keys=[layer_key(layer, kw) for layer, kw
                                                          in zip(layers, routed)],
@@ -96,7 +96,7 @@ def cached_plan(layers: list[Any], inputs: Any, budget: Budget, kwargs: dict[str
         policies = ()
     choices: dict[tuple, PolicyChoices] = entry[2]
     if policies and policies not in choices:
-        with nothing_left(layers):
+        with nothing_left():
             choices[policies] = in_fresh_thread(lambda: measure_choices(
                 layers, routed, concrete_inputs(inputs, api), policies, xla=xla))
     plans: dict[tuple, SequentialPlan] = entry[3]

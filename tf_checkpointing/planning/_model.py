@@ -52,7 +52,7 @@ def plan_graph(graph: LayerGraph, inputs: Any, budget: Budget, *, mode: str, api
     measured by running it with ``runner``. Every state the model owns is as it
     was before (see ``_no_trace``)."""
     _expect_layer_calls(graph, api)
-    with nothing_left([graph.model]), _progress.planning(api, f"`{graph.model.name}`"):
+    with nothing_left(), _progress.planning(api, f"`{graph.model.name}`"):
         return _plan_graph(graph, inputs, None if budget == LEAST else int(budget), mode=mode,
                            api=api, runner=runner, policies=policies)
 

@@ -7,12 +7,14 @@ global random sequences, and set the ``training`` flag of the Keras call
 context they run in. A plain model would have done none of that, so after
 planning, :func:`nothing_left` puts back:
 
-* every variable the roots own, found three ways so that no kind slips
-  through: Keras' own tracking (weights, seed generators, metric variables of
-  every nested layer) and TensorFlow's object graph (``tf.random.Generator``
-  states and plain ``tf.Variable`` attributes);
+* every variable alive in the process whose value planning changed. Not only
+  the model's: a layer may draw from a module-level generator or count in a
+  closed-over ``tf.Variable`` that no tracking reaches, and planning's traced
+  steps advance those too. A variable planning did not change is not written,
+  so nothing another thread does to it is undone;
 * the random sequences a plain step draws from (see
-  ``core._seeding.random_state_kept``) and TensorFlow's global generator;
+  ``core._seeding.random_state_kept``), and no global generator where there
+  was none;
 * Keras' call context: planning runs outside the caller's, so a profile's
   ``training=True`` does not become the flag of the user's own call.
 
@@ -21,66 +23,92 @@ Example:
     >>> from tf_checkpointing.planning._no_trace import nothing_left
     >>> layer = keras.layers.BatchNormalization()
     >>> _ = layer(tf.ones([2, 3]))
-    >>> with nothing_left([layer]):
+    >>> counter = tf.Variable(0)  # tracked by nothing
+    >>> with nothing_left():
     ...     _ = layer(tf.random.normal([2, 3]), training=True)  # moves the statistics
-    >>> float(tf.reduce_sum(layer.moving_mean))
-    0.0
+    ...     _ = counter.assign_add(1)
+    >>> float(tf.reduce_sum(layer.moving_mean)), int(counter.numpy())
+    (0.0, 0)
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+import gc
+from collections.abc import Iterator
 from typing import Any
 
-import keras
 import numpy as np
 import tensorflow as tf
 
 from tf_checkpointing.core import _keras_context
-from tf_checkpointing.core._internals import stateful_random_ops
+from tf_checkpointing.core._internals import resource_variable_ops, stateful_random_ops
 from tf_checkpointing.core._seeding import random_state_kept
 
-__all__ = ["nothing_left", "owned_variables"]
+__all__ = ["nothing_left", "live_variables"]
 
 
 @contextlib.contextmanager
-def nothing_left(roots: Iterable[Any]) -> Iterator[None]:
+def nothing_left() -> Iterator[None]:
     """Runs the block outside the caller's Keras call context, then puts back
-    every variable ``roots`` own, the random sequences and the global generator."""
-    variables = owned_variables(roots)
-    generator = stateful_random_ops.global_generator
+    every variable whose value it changed, the random sequences, and the global
+    generator's absence."""
+    had_generator = stateful_random_ops.global_generator is not None
     # Outside the caller's Keras call: its autocast scope (mixed precision) reads
     # a float32 variable as float16, which would be put back rounded.
     with tf.init_scope(), _keras_context.outside():  # a step being traced: read eagerly
-        # Copies (np.array): a view of a variable's buffer would make its next
-        # update copy it, in the pool the profile measures.
-        saved = [np.array(v.numpy()) for v in variables]
-        generator_state = None if generator is None else np.array(generator.state.numpy())
+        saved = [(variable, value) for variable in live_variables()
+                 if (value := _value(variable)) is not None]
     try:
         with random_state_kept(), _keras_context.outside():
             yield
     finally:
         with tf.init_scope(), _keras_context.outside():
-            for variable, value in zip(variables, saved):
-                variable.assign(value)
-            if generator is not None and stateful_random_ops.global_generator is generator:
-                generator.state.assign(generator_state)
-            elif generator is None:  # planning made one: a plain step would not have
+            for variable, value in saved:
+                if not _same(_value(variable), value):
+                    variable.assign(value)
+            if not had_generator:  # planning made one: a plain step would not have
                 stateful_random_ops.global_generator = None
 
 
-def owned_variables(roots: Iterable[Any]) -> list[Any]:
-    """Every variable reachable from ``roots`` (Keras layers or models, or any
-    callables), each once."""
+def live_variables() -> list[Any]:
+    """Every resource variable alive in the process, each once: the storage under
+    Keras variables, mirrored variables' components, generators' states."""
     found: dict[int, Any] = {}
-    for root in roots:
-        if isinstance(root, keras.layers.Layer):
-            for layer in root._flatten_layers(include_self=True, recursive=True):  # noqa: SLF001
-                for variable in [*layer.variables, *layer.metrics_variables]:
-                    found.setdefault(id(variable), variable)
-        if isinstance(root, tf.__internal__.tracking.Trackable):
-            for obj in tf.train.TrackableView(root).descendants():
-                if isinstance(obj, (tf.Variable, keras.Variable)):
-                    found.setdefault(id(obj), obj)
+    for obj in gc.get_objects():
+        kind = type(obj)
+        is_variable = _IS_VARIABLE.get(kind)
+        if is_variable is None:  # one issubclass per type: the heap holds ~10^5 objects
+            is_variable = _IS_VARIABLE[kind] = issubclass(
+                kind, resource_variable_ops.BaseResourceVariable)
+        if is_variable:
+            found.setdefault(id(obj), obj)
     return list(found.values())
+
+
+_IS_VARIABLE: dict[type, bool] = {}
+
+
+def _value(variable: Any) -> np.ndarray | None:
+    """A copy of the variable's value, or None for one planning cannot have read:
+    made inside a traced function, not yet initialized, or already deleted."""
+    if tf.is_symbolic_tensor(variable.handle):
+        return None
+    try:
+        if not variable.is_initialized():  # reads as an empty array, not its shape
+            return None
+        # A copy (np.array): a view of the buffer would make the variable's next
+        # update copy it, in the pool the profile measures.
+        return np.array(variable.numpy())
+    except (tf.errors.FailedPreconditionError, tf.errors.NotFoundError,
+            tf.errors.InvalidArgumentError):
+        return None
+
+
+def _same(now: np.ndarray | None, before: np.ndarray) -> bool:
+    """Bit for bit, so that -0.0 against 0.0 and NaN payloads count as changes."""
+    if now is None or now.shape != before.shape or now.dtype != before.dtype:
+        return False
+    if before.dtype == object:  # string variables
+        return bool(np.array_equal(now, before))
+    return now.tobytes() == before.tobytes()
