@@ -65,7 +65,8 @@ def nothing_left() -> Iterator[None]:
     finally:
         with tf.init_scope(), _keras_context.outside():
             for variable, value in saved:
-                if not _same(_value(variable), value):
+                now = _value(variable)
+                if now is not None and not _same(now, value):
                     variable.assign(value)
             if not had_generator:  # planning made one: a plain step would not have
                 stateful_random_ops.global_generator = None
@@ -105,9 +106,9 @@ def _value(variable: Any) -> np.ndarray | None:
         return None
 
 
-def _same(now: np.ndarray | None, before: np.ndarray) -> bool:
+def _same(now: np.ndarray, before: np.ndarray) -> bool:
     """Bit for bit, so that -0.0 against 0.0 and NaN payloads count as changes."""
-    if now is None or now.shape != before.shape or now.dtype != before.dtype:
+    if now.shape != before.shape or now.dtype != before.dtype:
         return False
     if before.dtype == object:  # string variables
         return bool(np.array_equal(now, before))
