@@ -114,3 +114,37 @@ def test_a_generator_made_by_planning_is_not_left_behind():
                   mode="eager")
     assert keras.src.backend.common.global_state.get_global_attribute(
         "global_seed_generator") is None
+
+
+_MODULE_GENERATOR = tf.random.Generator.from_seed(8)
+
+
+class ModuleNoise(keras.layers.Layer):
+    """Draws from a module-level generator, which no tracking reaches."""
+
+    def call(self, x, training=None):
+        return x + _MODULE_GENERATOR.normal(tf.shape(x)) if training else x
+
+
+def test_a_chain_planned_in_the_first_step_puts_back_a_generator_it_does_not_track():
+    """Measuring the save policies (``policies="auto"``) runs the layers outside
+    the profile's recorder of eager writes: it advanced the module-level generator
+    and left it so, and every later draw was another part of its sequence than
+    plain's."""
+    x = tf.random.stateless_normal([32, 16], [3, 5])
+
+    def steps(model):
+        _MODULE_GENERATOR.reset_from_seed(8)
+        return _steps(model, x, "graph"), _MODULE_GENERATOR.state.numpy()
+
+    def chain():
+        keras.utils.set_random_seed(0)
+        return [keras.layers.Dense(16, activation="relu"), ModuleNoise(),
+                keras.layers.Dense(16, activation="relu"), ModuleNoise(), keras.layers.Dense(4)]
+
+    (expected, plain_state) = steps(keras.Sequential(chain()))
+    (got, state) = steps(tc.CheckpointedSequential(chain(), budget="min", policies="auto"))
+    np.testing.assert_array_equal(state, plain_state)
+    for (loss, grads), (plain_loss, plain_grads) in zip(got, expected):
+        assert_all_close(loss, plain_loss)
+        assert_all_close(grads, plain_grads, atol=1e-5)
