@@ -20,6 +20,9 @@ def test_a_long_planning_tells_what_it_measures(capsys, monkeypatch):
     assert any(line.startswith(f"plan_model: planning `{model.name}`: measuring layer calls 1/")
                for line in lines), lines
     assert any(f"measuring layer calls {calls}/{calls}" in line for line in lines), lines
+    # One long measurement, with nothing to count: said when it starts.
+    assert f"plan_model: planning `{model.name}`: measuring the plain step (" in "\n".join(
+        lines), lines
     assert lines[-1].startswith(f"plan_model: planning `{model.name}`: done (")
 
 

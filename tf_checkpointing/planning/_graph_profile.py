@@ -82,6 +82,7 @@ def graph_profile(calls, x, device, names, same_as, applied=False,
     # Last: its updates, and putting the weights back, change the pool the
     # per-call readings are taken in, which moved the readings after it from
     # run to run (see docs/design.md#graph-profile-readings).
+    _progress.stage("measuring the plain step")
     plain_peak = graph_plain_peak(calls, inputs, device, False, applied, trainable)
     return ChainProfile(layers=tuple(layers), boundary_bytes=tuple(sizes),
                         boundary_grad_bytes=tuple(grad_sizes), plain_peak_bytes=plain_peak,

@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional
 import tensorflow as tf
 
 from tf_checkpointing.core._state import StateRecorder
+from tf_checkpointing.planning import _progress
 from tf_checkpointing.planning._allocator import concrete_inputs, in_fresh_thread, memory_device
 from tf_checkpointing.planning._graph_profile import graph_plain_peak, graph_profile
 from tf_checkpointing.planning._layer_profile import (
@@ -104,6 +105,7 @@ def _profile(calls, inputs, names, api, compiled, same_as=None, xla=False,
                                         same_as or list(range(len(calls))), applied,
                                         trainable)
                 if xla:
+                    _progress.stage("compiling and measuring the plain XLA step")
                     profile = dataclasses.replace(profile, xla=True, plain_peak_bytes=(
                         graph_plain_peak(calls, x, device, True, applied, trainable)))
                 return profile

@@ -5,7 +5,8 @@ plan, and whole compiled training steps for an XLA plan, which on a large
 model takes minutes. A user who sees nothing for that long cannot tell
 planning from a hang. So once a planning has run :data:`FIRST_AFTER` seconds,
 each measurement loop says where it is on stderr (at most every
-:data:`EVERY` seconds), and the end says how long it took. A short planning
+:data:`EVERY` seconds), a single long measurement (a whole step compiled for
+XLA) says when it starts, and the end says how long it took. A short planning
 prints nothing.
 
 Example:
@@ -25,7 +26,7 @@ import time
 from collections.abc import Iterator
 from typing import Optional
 
-__all__ = ["planning", "step"]
+__all__ = ["planning", "stage", "step"]
 
 FIRST_AFTER = 5.0  # seconds of planning before the first line
 EVERY = 10.0  # seconds between two lines
@@ -86,3 +87,15 @@ def step(stage: str, done: Optional[int] = None, total: Optional[int] = None) ->
             return
         report.last = now
     report.say(f"{stage} {done}" + ("" if total is None else f"/{total}"))
+
+
+def stage(name: str) -> None:
+    """Tells that one long measurement, ``name``, starts (if the planning has run
+    long enough): compiling a whole step for XLA takes minutes and has no steps
+    to count, so without this line the last one read as a hang."""
+    with _lock:
+        report = _current
+        if report is None or time.monotonic() - report.started < FIRST_AFTER:
+            return
+        report.last = time.monotonic()
+    report.say(name)
