@@ -3,7 +3,6 @@
 Both must be set before TensorFlow is imported, hence at the top of conftest.
 """
 
-import collections
 import os
 
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
@@ -21,16 +20,6 @@ def compile_step(step, mode):
     if mode == "eager":
         return step
     return tf.function(step, jit_compile=(mode == "xla"))
-
-
-def pytest_collection_modifyitems(items):
-    """Files with the most slow tests first, each file's tests in their order. A
-    worker runs a whole file (``--dist loadfile``), so a slow file handed out last
-    is the suite's tail, with the other worker idle (pytest-xdist's own order is by
-    number of tests, which put the examples' file last)."""
-    slow = collections.Counter(item.path for item in items if item.get_closest_marker("slow"))
-    first_seen = {path: k for k, path in enumerate(dict.fromkeys(item.path for item in items))}
-    items.sort(key=lambda item: (-slow[item.path], first_seen[item.path]))
 
 
 @pytest.fixture(params=MODES)
