@@ -34,6 +34,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 from collections.abc import Iterator
 from typing import Any
@@ -73,21 +74,15 @@ def nothing_left() -> Iterator[None]:
 
 
 def live_variables() -> list[Any]:
-    """Every resource variable alive in the process, each once: the storage under
-    Keras variables, mirrored variables' components, generators' states."""
-    found: dict[int, Any] = {}
-    for obj in gc.get_objects():
-        kind = type(obj)
-        is_variable = _IS_VARIABLE.get(kind)
-        if is_variable is None:  # one issubclass per type: the heap holds ~10^5 objects
-            is_variable = _IS_VARIABLE[kind] = issubclass(
-                kind, resource_variable_ops.BaseResourceVariable)
-        if is_variable:
-            found.setdefault(id(obj), obj)
-    return list(found.values())
+    """Every resource variable alive in the process: the storage under Keras
+    variables, mirrored variables' components, generators' states."""
+    return [obj for obj in gc.get_objects() if _is_variable(type(obj))]
 
 
-_IS_VARIABLE: dict[type, bool] = {}
+@functools.cache
+def _is_variable(kind: type) -> bool:
+    # Cached per type: the heap holds ~10^5 objects of a few thousand types.
+    return issubclass(kind, resource_variable_ops.BaseResourceVariable)
 
 
 def _value(variable: Any) -> np.ndarray | None:
