@@ -367,8 +367,8 @@ def test_identical_layers_share_one_graph_profile(monkeypatch):
     measured = []
     original = _graph_profile._graph_layer
     monkeypatch.setattr(_graph_profile, "_graph_layer",
-                        lambda call, x, device, name: measured.append(name) or original(
-                            call, x, device, name))
+                        lambda call, x, y, device, name: measured.append(name) or original(
+                            call, x, y, device, name))
     keras.utils.set_random_seed(0)
     layers = [keras.layers.Dense(32, activation="relu", name=f"same{i}") for i in range(5)]
     layers.append(keras.layers.Dense(16, name="other"))
@@ -377,6 +377,57 @@ def test_identical_layers_share_one_graph_profile(monkeypatch):
     profiled = plan.profile.layers
     assert [p.name for p in profiled] == [layer.name for layer in layers]
     assert len({(p.kept_bytes, p.backward_peak_bytes) for p in profiled[:5]}) == 1
+
+
+def test_identical_layers_are_timed_once(monkeypatch):
+    # A call that computes what an earlier one does gets its time and untaped peak:
+    # it is run for its output, not timed again.
+    from tf_checkpointing.planning import _layer_profile
+
+    timed = []
+    original = _layer_profile.forward_seconds
+    monkeypatch.setattr(_layer_profile, "forward_seconds",
+                        lambda call, x: timed.append(call) or original(call, x))
+    layers = [keras.layers.Dense(32, activation="relu", name=f"same{i}") for i in range(5)]
+    layers.append(keras.layers.Dense(16, name="other"))
+    plan = plan_sequential(layers, tf.random.normal([64, 32]), budget=2**40, mode="graph")
+    assert len(timed) == 2, timed
+    profiled = plan.profile.layers
+    assert len({(p.seconds, p.untaped_peak_bytes) for p in profiled[:5]}) == 1
+
+
+def test_readings_stop_once_their_median_is_settled(monkeypatch):
+    # A layer whose runs read the same bytes is run until that reading holds the
+    # majority of GRAPH_RUNS: more runs could not move the median.
+    from tf_checkpointing.planning import _graph_profile
+
+    asked = []
+    original = _graph_profile.median_settled
+    monkeypatch.setattr(_graph_profile, "median_settled",
+                        lambda values, runs: asked.append((len(values), runs)) or original(
+                            values, runs))
+    # One op each way: the executor has no order to choose, the readings agree.
+    plan_sequential([keras.layers.ReLU()], tf.random.normal([64, 32]), budget=2**40,
+                    mode="graph")
+    layer_runs = [n for n, runs in asked if runs == _graph_profile._GRAPH_RUNS]
+    assert max(layer_runs) == _graph_profile._GRAPH_RUNS // 2 + 1, asked
+    assert original([3, 3, 3], 5) and not original([3, 5, 5, 3], 5)
+
+
+def test_an_xla_profile_measures_no_tf_function_plain_step(monkeypatch):
+    # An XLA plan reads the plain step compiled by XLA; the tf.function one, a trace
+    # and a few runs of the whole step, would be thrown away.
+    from tf_checkpointing.planning import _graph_profile
+
+    compiled = []
+    original = _graph_profile.graph_plain_peak
+    monkeypatch.setattr(_graph_profile, "graph_plain_peak",
+                        lambda calls, x, device, jit_compile=False, *args: compiled.append(
+                            jit_compile) or original(calls, x, device, jit_compile, *args))
+    plan = plan_sequential([keras.layers.Dense(32, activation="relu") for _ in range(3)],
+                           tf.random.normal([64, 32]), budget="min", mode="xla")
+    assert compiled == [True]
+    assert plan.profile.xla and plan.profile.plain_peak_bytes > 0
 
 
 def test_planning_does_not_warn_of_retracing():

@@ -22,6 +22,7 @@ from tf_checkpointing.planning import _progress
 from tf_checkpointing.planning._allocator import (
     Allocator,
     median,
+    median_settled,
     nbytes,
     planning_function,
     sync,
@@ -44,8 +45,11 @@ __all__ = ["variable_ids"]
 
 
 def graph_profile(calls, x, device, names, same_as, applied=False,
-                  trainable=None) -> ChainProfile:
-    """The profile of a ``tf.function`` training step (see :func:`profile_chain`)."""
+                  trainable=None, xla=False) -> ChainProfile:
+    """The profile of a ``tf.function`` training step, or with ``xla`` of one
+    compiled by XLA, whose plain step is then measured compiled (and the
+    ``tf.function`` one, which no XLA plan reads, not at all; see
+    :func:`profile_chain`)."""
     graphs = [planning_function(call) if same_as[i] == i else call
               for i, call in enumerate(calls)]
     y = x
@@ -57,7 +61,8 @@ def graph_profile(calls, x, device, names, same_as, applied=False,
     identity = planning_function(_identity)
     sync(identity(x))  # traced
     launch = forward_seconds(identity, x)
-    untaped, seconds, sizes = untaped_pass(graphs, x, device, call_overhead=launch)
+    untaped, seconds, sizes = untaped_pass(graphs, x, device, call_overhead=launch,
+                                           same_as=same_as)
     inputs = x
     layers: list[Any] = []
     grad_sizes: list[Any] = []
@@ -73,26 +78,29 @@ def graph_profile(calls, x, device, names, same_as, applied=False,
             grad_sizes.append(x_grad_bytes)
             x = y
             continue
-        layer, x_grad_bytes, y_grad_bytes = _graph_layer(call, x, device, names[i])
+        y = graphs[i](x)
+        layer, x_grad_bytes, y_grad_bytes = _graph_layer(call, x, y, device, names[i])
         layers.append(dataclasses.replace(layer, untaped_peak_bytes=untaped[i],
                                           seconds=seconds[i]))
         grad_sizes.append(x_grad_bytes)
-        x = graphs[i](x)
+        x = y
     grad_sizes.append(y_grad_bytes)
     # Last: its updates, and putting the weights back, change the pool the
     # per-call readings are taken in, which moved the readings after it from
     # run to run (see docs/design.md#graph-profile-readings).
-    _progress.stage("measuring the plain step")
-    plain_peak = graph_plain_peak(calls, inputs, device, False, applied, trainable)
+    _progress.stage("compiling and measuring the plain XLA step" if xla
+                    else "measuring the plain step")
+    plain_peak = graph_plain_peak(calls, inputs, device, xla, applied, trainable)
     return ChainProfile(layers=tuple(layers), boundary_bytes=tuple(sizes),
                         boundary_grad_bytes=tuple(grad_sizes), plain_peak_bytes=plain_peak,
-                        device=device, compiled=True)
+                        device=device, compiled=True, xla=xla)
 
 
-def _graph_layer(call, x, device, name) -> tuple[LayerProfile, int, int]:
+def _graph_layer(call, x, y, device, name) -> tuple[LayerProfile, int, int]:
     """One layer's forward and backward as one graph, with the allocator read
     at the point between them (a ``py_function`` that the output gradient
     waits on): what is held there is what the graph keeps for the backward.
+    ``y`` is ``call(x)``, held during the readings as a chain holds it.
 
     The executor runs independent ops in any order, so what is held varies
     from run to run (see docs/design.md#graph-profile-readings); the profile
@@ -122,9 +130,11 @@ def _graph_layer(call, x, device, name) -> tuple[LayerProfile, int, int]:
 
     graph = planning_function(step)
     sync(graph(x))  # trace and warm up
-    outputs = [t for t in tf.nest.flatten(call(x)) if is_differentiable(t)]
+    outputs = [t for t in tf.nest.flatten(y) if is_differentiable(t)]
     kept, forward, total, after = [], [], [], []
-    for _ in range(_GRAPH_RUNS):  # the executor's order, so what is held, varies
+    # The executor's order, so what is held, varies: up to _GRAPH_RUNS runs.
+    while len(kept) < _GRAPH_RUNS and not median_settled(list(zip(kept, forward, after)),
+                                                          _GRAPH_RUNS):
         readings.clear()
         before = allocator.mark()
         x_grads, weight_grads = graph(x)
@@ -210,8 +220,8 @@ def graph_plain_peak(calls, x, device, jit_compile: bool = False,
         # The median of a few steps: which updates overlap which backward ops is
         # the executor's choice, and moves a step's peak (see
         # docs/design.md#graph-profile-readings).
-        peaks = []
-        for _ in range(_PLAIN_STEPS):
+        peaks: list[int] = []
+        while len(peaks) < _PLAIN_STEPS and not median_settled(peaks, _PLAIN_STEPS):
             start = allocator.mark()
             sync(step(x))
             peaks.append(max(0, allocator.peak_since_mark() - start))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
 from typing import Any, Callable, Optional
 
 import tensorflow as tf
@@ -106,23 +107,31 @@ def taped(call: Callable[[Any], Any], x: Any,
     return tape, y
 
 
-def untaped_pass(calls, x, device, call_overhead: float = 0.0):
+def untaped_pass(calls, x, device, call_overhead: float = 0.0,
+                 same_as: Optional[Sequence[int]] = None):
     """Each call's untaped peak and time, and the chain's boundary sizes.
 
     A call's time is the least of a few warm runs, waiting for one element of
     its output (copying the whole output to the host would time the copy),
     less ``call_overhead``: what launching a call costs by itself, which a
-    replay inside a ``tf.function`` does not pay per layer.
+    replay inside a ``tf.function`` does not pay per layer. A call with
+    ``same_as[i] = j < i`` computes what call ``j`` does: it runs once, for its
+    output, and gets ``j``'s peak and time.
     """
     allocator = Allocator(device)
     peaks, seconds, sizes = [], [], [nbytes(x)]
     for k, call in enumerate(calls):
         _progress.step("timing layer calls", k + 1, len(calls))
+        j = k if same_as is None else same_as[k]
         before = allocator.mark()
         y = call(x)
         sync(y)
-        peaks.append(max(0, allocator.peak_since_mark() - before))
-        seconds.append(max(0.0, forward_seconds(call, x) - call_overhead))
+        if j == k:
+            peaks.append(max(0, allocator.peak_since_mark() - before))
+            seconds.append(max(0.0, forward_seconds(call, x) - call_overhead))
+        else:
+            peaks.append(peaks[j])
+            seconds.append(seconds[j])
         sizes.append(nbytes(y))
         x = y
     return peaks, seconds, sizes

@@ -12,16 +12,14 @@ own, so no tape of the caller records it. How layers are called is
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from typing import Any, Callable, Optional
 
 import tensorflow as tf
 
 from tf_checkpointing.core._state import StateRecorder
-from tf_checkpointing.planning import _progress
 from tf_checkpointing.planning._allocator import concrete_inputs, in_fresh_thread, memory_device
-from tf_checkpointing.planning._graph_profile import graph_plain_peak, graph_profile
+from tf_checkpointing.planning._graph_profile import graph_profile
 from tf_checkpointing.planning._layer_profile import (
     ChainProfile,
     taped_pass,
@@ -48,10 +46,11 @@ def profile_chain(calls: Sequence[Callable[[Any], Any]], inputs: Any, *,
     ``tf.function``: each layer's forward and backward run as one graph, read
     between the two (a graph keeps only the intermediates its backward reads,
     and frees them as the backward goes), and ``plain_peak_bytes`` is the
-    whole chain's, measured as one graph. ``same_as[i] = j < i`` says call
-    ``i`` is the same computation as call ``j`` (same layer configuration on
-    the same shapes: a residual network repeats its blocks): its graph is not
-    traced and measured again, it gets ``j``'s readings. With ``applied``, the compiled
+    whole chain's, measured as one graph (compiled by XLA, with ``xla``).
+    ``same_as[i] = j < i`` says call ``i`` is the same computation as call
+    ``j`` (same layer configuration on the same shapes: a residual network
+    repeats its blocks): its graph is not traced and measured again, it gets
+    ``j``'s readings. With ``applied``, the compiled
     plain step consumes each weight gradient as soon as it is made, as an
     optimizer inside the step does (``Model.fit``: the executor runs each
     variable's update when its gradient is ready, and frees the gradient), so
@@ -101,14 +100,9 @@ def _profile(calls, inputs, names, api, compiled, same_as=None, xla=False,
                 same_as = [first.setdefault(key, i) for i, key in enumerate(keys)]
             x = concrete_inputs(inputs, api)
             if compiled:
-                profile = graph_profile(calls, x, device, names,
-                                        same_as or list(range(len(calls))), applied,
-                                        trainable)
-                if xla:
-                    _progress.stage("compiling and measuring the plain XLA step")
-                    profile = dataclasses.replace(profile, xla=True, plain_peak_bytes=(
-                        graph_plain_peak(calls, x, device, True, applied, trainable)))
-                return profile
+                return graph_profile(calls, x, device, names,
+                                     same_as or list(range(len(calls))), applied,
+                                     trainable, xla)
             untaped, seconds, sizes = untaped_pass(calls, x, device)
             return taped_pass(calls, x, device, names, untaped, seconds, sizes)
         finally:
