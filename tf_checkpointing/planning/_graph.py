@@ -30,7 +30,7 @@ from tf_checkpointing.planning._nested_inputs import (
     as_fed,
     converted_alike,
 )
-from tf_checkpointing.planning._profile import layer_key
+from tf_checkpointing.planning._profile import configuration, layer_key
 
 __all__: list[str] = []
 
@@ -295,15 +295,14 @@ def repeated_calls(graph: LayerGraph) -> list[int]:
     first: dict[Any, int] = {}
     same_as = []
     for i, call in enumerate(graph.calls):
-        try:
-            config = dict(call.layer.get_config())
-            config.pop("name", None)
-            shapes = [(tuple(t.shape), str(t.dtype)) for t in call.arguments.keras_tensors]
-            arguments = argument_pattern(call)
-            key = repr((type(call.layer), sorted(config.items()), shapes, arguments,
-                        [tuple(w.shape) for w in call.layer.weights]))
-        except Exception:  # noqa: BLE001 - no config: profiled on its own
-            key = repr(("unique", i))
+        config, key = configuration(call.layer), repr(("unique", i))
+        if config is not None:  # without one: profiled on its own
+            try:
+                shapes = [(tuple(t.shape), str(t.dtype)) for t in call.arguments.keras_tensors]
+                key = repr((type(call.layer), config, shapes, argument_pattern(call),
+                            [tuple(w.shape) for w in call.layer.weights]))
+            except Exception:  # noqa: BLE001 - arguments it cannot describe: on its own
+                pass
         same_as.append(first.setdefault(key, i))
     return same_as
 

@@ -41,6 +41,7 @@ from tf_checkpointing.planning._graph import (
     run_call,
     tensor_keys,
 )
+from tf_checkpointing.planning._profile import configuration
 
 __all__: list[str] = []
 
@@ -105,12 +106,10 @@ def _measure(graph: LayerGraph, inputs: Any, policies: tuple[Any, ...], same_as:
 def _family(call: GraphCall, i: int) -> str:
     """What ``call`` computes up to its shapes: its layer's class and
     configuration (but the name) and the call's arguments that are not tensors."""
-    try:
-        config = dict(call.layer.get_config())
-    except Exception:  # noqa: BLE001 - no config: a family of its own
+    config = configuration(call.layer)
+    if config is None:  # a family of its own
         return repr(("unique", i))
-    config.pop("name", None)
-    return repr((type(call.layer), sorted(config.items()), argument_pattern(call)))
+    return repr((type(call.layer), config, argument_pattern(call)))
 
 
 def _run(call: GraphCall, values: tuple) -> tuple:

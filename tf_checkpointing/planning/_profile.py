@@ -67,15 +67,35 @@ def profile_chain(calls: Sequence[Callable[[Any], Any]], inputs: Any, *,
                            applied, layer_keys, trainable)
 
 
+def configuration(layer: Any) -> Optional[list]:
+    """``layer``'s configuration but its name, as sorted items (two instances of
+    one architecture differ in their names only); None for a layer without one.
+
+    Example:
+        >>> import keras
+        >>> from tf_checkpointing.planning._profile import configuration
+        >>> a, b = keras.layers.Dense(4, name="a"), keras.layers.Dense(4, name="b")
+        >>> configuration(a) == configuration(b), configuration(object())
+        (True, None)
+    """
+    try:
+        config = dict(layer.get_config())
+        config.pop("name", None)
+        return sorted(config.items())
+    except Exception:  # noqa: BLE001 - not a Keras layer, or no config
+        return None
+
+
 def layer_key(layer: Any, keywords: Any = None) -> Any:
     """What makes two layers compute the same thing on the same input shapes:
     class, configuration but the name, weight shapes and call keywords (a
     layer without a configuration is only itself)."""
+    config = configuration(layer)
     try:
-        config = dict(layer.get_config())
-        config.pop("name", None)
-        described = repr((sorted(config.items()), sorted((keywords or {}).items())))
-    except Exception:  # noqa: BLE001 - not a Keras layer, or no config
+        described = repr((config, sorted((keywords or {}).items())))
+    except Exception:  # noqa: BLE001 - keywords that do not sort
+        config = None
+    if config is None:
         return ("unique", id(layer))
     weights = tuple(tuple(v.shape) for v in getattr(layer, "weights", ()))
     return type(layer), described, weights
