@@ -67,7 +67,7 @@ DEFAULT_STRATEGIES = {
     "tiny": tuple(s for s in STRATEGIES if s not in _PLANNED_POLICIES
                   and (s not in POLICIES or s == "dots_saveable")),
     # sqrt segments (a fixed schedule, between per-block and the budget plan) run with
-    # --full and --strategies: the quick run stays under two minutes on 2 cores.
+    # --full and --strategies: the quick run stays near two minutes on 2 cores.
     "quick": tuple(s for s in STRATEGIES if s not in ("keras_remat", "sqrt_segments")
                    and s not in POLICIES and s not in _PLANNED_POLICIES),
     "full": tuple(STRATEGIES),
