@@ -307,3 +307,28 @@ def test_a_plan_with_policies_keeps_its_budget(request):
     peak = max(measure(planned, x).peak_bytes for _ in range(3))
     assert layer.plan.policies and layer.plan.extra_forward_layers > 0
     assert peak <= 1.05 * budget, (peak / budget, str(layer.plan))
+
+
+def test_a_normalizations_moments_are_read_from_the_forward_not_listed(monkeypatch):
+    # At 3x3 pixels a BatchNormalization's moments are 2.8% of its input: more than
+    # 1/64, at most POLICY_SMALL_KEPT. The model planner takes the forward's bytes,
+    # which equal the listing's, without tracing the replay and gradient per policy.
+    from tf_checkpointing.planning import _choices
+
+    layer = keras.layers.BatchNormalization()
+    x = tf.random.normal([8, 3, 3, 64])
+    layer(x)
+
+    def call(t):
+        return layer(t, training=True)
+
+    def listed(fn):
+        return sum(r.bytes for r in _choices.saved_residuals(fn, x) if r.kind == "activation")
+
+    reductions = (policies.reductions_saveable,)
+    extra = (listed(_choices.checkpointed(call, policy=reductions[0]))
+             - listed(_choices.checkpointed(call)))
+    assert 1 / 64 < extra / (8 * 3 * 3 * 64 * 4) <= _choices._SMALL_KEPT
+    monkeypatch.setattr(_choices, "saved_residuals", None)  # a listing would fail
+    _, kept_by, extra_bytes = _choices._kept_by_policies(call, x, reductions, time_all=False)
+    assert kept_by == [extra] and list(extra_bytes) == [extra] == [2 * 64 * 4]

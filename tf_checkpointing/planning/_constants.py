@@ -75,7 +75,7 @@ POLICY_FAMILY_SAMPLES = 8
 # A call whose policies keep, in its forward, at most this share of its inputs' bytes
 # (a normalization's moments) is given those bytes, an upper bound, instead of
 # their listing by saved_residuals (design.md#policy-timing).
-POLICY_SMALL_KEPT = 1 / 64
+POLICY_SMALL_KEPT = 1 / 16
 
 # Warnings ------------------------------------------------------------------------
 
