@@ -397,20 +397,34 @@ def test_identical_layers_are_timed_once(monkeypatch):
 
 
 def test_readings_stop_once_their_median_is_settled(monkeypatch):
-    # A layer whose runs read the same bytes is run until that reading holds the
-    # majority of GRAPH_RUNS: more runs could not move the median.
+    # Runs whose readings agree stop once one reading holds the majority of
+    # GRAPH_RUNS (a layer's) or PLAIN_STEPS (the plain step's): more runs could not
+    # move the median. An allocator that reads the same in every run stands in for
+    # one on a quiet machine (a busy one moves readings by a chunk or two).
     from tf_checkpointing.planning import _graph_profile
+
+    class Steady(_graph_profile.Allocator):
+        def current(self):
+            return 0
+
+        def mark(self):
+            super().mark()
+            return 0
+
+        def peak_since_mark(self):
+            return 0
 
     asked = []
     original = _graph_profile.median_settled
+    monkeypatch.setattr(_graph_profile, "Allocator", Steady)
     monkeypatch.setattr(_graph_profile, "median_settled",
                         lambda values, runs: asked.append((len(values), runs)) or original(
                             values, runs))
-    # One op each way: the executor has no order to choose, the readings agree.
     plan_sequential([keras.layers.ReLU()], tf.random.normal([64, 32]), budget=2**40,
                     mode="graph")
-    layer_runs = [n for n, runs in asked if runs == _graph_profile._GRAPH_RUNS]
-    assert max(layer_runs) == _graph_profile._GRAPH_RUNS // 2 + 1, asked
+    runs_of = {runs: max(n for n, r in asked if r == runs) for _, runs in asked}
+    assert runs_of == {_graph_profile._GRAPH_RUNS: _graph_profile._GRAPH_RUNS // 2 + 1,
+                       _graph_profile._PLAIN_STEPS: _graph_profile._PLAIN_STEPS // 2 + 1}
     assert original([3, 3, 3], 5) and not original([3, 5, 5, 3], 5)
 
 

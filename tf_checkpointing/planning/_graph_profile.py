@@ -27,6 +27,7 @@ from tf_checkpointing.planning._allocator import (
     planning_function,
     sync,
 )
+from tf_checkpointing.planning._backward_reads import BackwardReads, backward_reads
 from tf_checkpointing.planning._constants import GRAPH_RUNS as _GRAPH_RUNS
 from tf_checkpointing.planning._constants import PLAIN_STEPS as _PLAIN_STEPS
 from tf_checkpointing.planning._layer_profile import (
@@ -108,6 +109,7 @@ def _graph_layer(call, x, y, device, name) -> tuple[LayerProfile, int, int]:
     """
     allocator = Allocator(device)
     readings: list[tuple[int, int]] = []
+    traced: list[Any] = []  # the graph, its first backward op, the leaves, the reader
 
     def read_and_reset(*outputs: tf.Tensor) -> tf.Tensor:
         readings.append((allocator.current(), allocator.peak_since_mark()))
@@ -116,11 +118,14 @@ def _graph_layer(call, x, y, device, name) -> tuple[LayerProfile, int, int]:
 
     def step(x: Any) -> tuple[list[Any], list[Any]]:
         tape, y = taped(call, x)
+        first_backward_op = len(tf.compat.v1.get_default_graph().get_operations())
         leaves = [t for t in tf.nest.flatten(x) if is_differentiable(t)]
         outputs = [t for t in tf.nest.flatten(y) if is_differentiable(t)]
         # Takes the outputs, so they are held at the reading, as in a chain,
         # where each output is the next layer's input.
         one = tf.py_function(read_and_reset, outputs, tf.float32)
+        graph = tf.compat.v1.get_default_graph()
+        traced[:] = [graph, first_backward_op, tf.nest.flatten(x), tf.nest.flatten(y), one.op]
         variables = list(tape.watched_variables())
         grads = tape.gradient(outputs, leaves + variables,
                               output_gradients=[tf.fill(tf.shape(t), tf.cast(one, t.dtype))
@@ -154,8 +159,19 @@ def _graph_layer(call, x, y, device, name) -> tuple[LayerProfile, int, int]:
         # The outputs held at the reading may be freed before the backward
         # allocates (a BatchNorm's: its backward reads its input, not its
         # output), which the replay model needs to know (see _regions).
-        backward_alone_bytes=above_kept)
+        backward_alone_bytes=above_kept, backward_reads=_reads(traced))
     return layer, nbytes(x_grads), nbytes(outputs)
+
+
+def _reads(traced: list[Any]) -> Optional[BackwardReads]:
+    """What the backward of the measured graph reads of the call's leaves (the
+    ``py_function`` that reads the allocator is the measurement's, not the
+    backward's); None where it cannot be read."""
+    try:
+        graph, first_backward_op, inputs, outputs, reader = traced
+        return backward_reads(graph, first_backward_op, inputs, outputs, ignore=[reader])
+    except Exception:  # noqa: BLE001 - the saved tensors are then traced on their own
+        return None
 
 
 def graph_plain_peak(calls, x, device, jit_compile: bool = False,

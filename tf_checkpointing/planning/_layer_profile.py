@@ -46,6 +46,10 @@ class LayerProfile:
             read after the forward, above what the forward kept and the output
             gradient: negative when the backward frees kept bytes (its output)
             before it allocates. None: not measured.
+        backward_reads: (``tf.function`` profiles) which of its input and
+            output leaves its backward reads, from the graph it was measured
+            with (a :class:`~tf_checkpointing.planning._backward_reads.BackwardReads`).
+            None: not read.
     """
 
     name: str
@@ -56,6 +60,7 @@ class LayerProfile:
     weight_grad_bytes: int
     seconds: float
     backward_alone_bytes: Optional[int] = None
+    backward_reads: Any = None
 
 
 @dataclasses.dataclass(frozen=True)

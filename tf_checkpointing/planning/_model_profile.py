@@ -35,7 +35,7 @@ from tf_checkpointing.planning._graph_choices import graph_choices
 from tf_checkpointing.planning._layer_profile import ChainProfile
 from tf_checkpointing.planning._profile import profile_chain
 from tf_checkpointing.planning._regions import GraphCosts, RegionModel
-from tf_checkpointing.planning._saved_tensors import saved_tensors
+from tf_checkpointing.planning._saved_tensors import keys_read, saved_tensors
 from tf_checkpointing.planning._xla import forget_model_anchor
 
 __all__: list[str] = []
@@ -126,7 +126,11 @@ def _profile(graph: LayerGraph, inputs: Any, *, mode: str,
     finally:
         in_fresh_thread(lambda: [v.assign(value) for v, value in zip(state, saved)])
     readers = graph.consumers()
-    saved = saved_tensors(graph, same)
+    # What each call's backward reads, from the graph it was measured with (a
+    # tf.function profile's), else traced for it.
+    saved = saved_tensors(graph, same, [
+        keys_read(graph.calls[i], alive[i], alive[i + 1], layer.backward_reads)
+        if same[i] == i else None for i, layer in enumerate(profile.layers)])
     outputs = set(graph.output_keys)
     # The calls whose backward reads each tensor, in order: its readers that save
     # it, and its producer if its own backward reads it (a relu's output); n for a

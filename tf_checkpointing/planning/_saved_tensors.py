@@ -13,35 +13,36 @@ its output): such an output is held until that backward even when no later
 backward reads it (a decoder stage's last ``relu``, read next only by
 ``UpSampling2D``), so :func:`saved_tensors` says which.
 
-The answer is read from the call's gradient graph, traced (never run) once per
-distinct call: a tensor is read by the backward if an op of the gradient (other
-than a shape query, which constant folding removes) consumes it.
+The answer is read from the call's gradient graph (:mod:`._backward_reads`):
+from the graph the profile measured the call with, where it was given, else
+from one traced (never run) for it, once per distinct call.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Optional
 
 import tensorflow as tf
 
 from tf_checkpointing.core._structure import is_differentiable
+from tf_checkpointing.planning._backward_reads import backward_reads
 from tf_checkpointing.planning._graph import GraphCall, LayerGraph, run_call
 
 __all__: list[str] = []
 
-# Ops that read only a tensor's shape (folded to constants for static shapes).
-_SHAPE_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank", "BroadcastGradientArgs"})
-_PASS_THROUGH = frozenset({"Identity", "IdentityN"})
+Saved = tuple[frozenset, frozenset]  # (input keys, output keys) the backward reads
 
 
-def saved_tensors(graph: LayerGraph,
-                  same_as: Sequence[int]) -> list[tuple[frozenset, frozenset]]:
+def saved_tensors(graph: LayerGraph, same_as: Sequence[int],
+                  known: Optional[Sequence[Optional[Saved]]] = None) -> list[Saved]:
     """For each call, the keys among its ``in_keys`` and among its ``out_keys``
     that its backward reads.
 
     ``same_as[i]`` is the first call computing the same thing as call ``i``
     (same layer configuration and argument shapes), whose answer it shares.
+    ``known[i]``, where not None, is call ``i``'s answer already read (from the
+    profile's graph of the call): it is not traced again.
 
     Example:
         >>> import keras
@@ -57,7 +58,7 @@ def saved_tensors(graph: LayerGraph,
         >>> [len(outputs) for _, outputs in saved_tensors(graph, [0])]  # relu's grad reads y
         [1]
     """
-    out: list[tuple[frozenset, frozenset]] = []
+    out: list[Saved] = []
     for i, call in enumerate(graph.calls):
         j = same_as[i]
         if j != i:
@@ -65,15 +66,31 @@ def saved_tensors(graph: LayerGraph,
             inputs = frozenset(call.in_keys[first.in_keys.index(k)] for k in out[j][0])
             outputs = frozenset(call.out_keys[first.out_keys.index(k)] for k in out[j][1])
             out.append((inputs, outputs))
-            continue
-        try:
-            out.append(_saved(call))
-        except Exception:  # noqa: BLE001 - unknown: assume the backward reads everything
-            out.append((frozenset(call.in_keys), frozenset(call.out_keys)))
+        elif known is not None and known[i] is not None:
+            out.append(known[i])
+        else:
+            try:
+                out.append(_saved(call))
+            except Exception:  # noqa: BLE001 - unknown: assume the backward reads everything
+                out.append((frozenset(call.in_keys), frozenset(call.out_keys)))
     return out
 
 
-def _saved(call: GraphCall) -> tuple[frozenset, frozenset]:
+def keys_read(call: GraphCall, before: Sequence[Any], after: Sequence[Any],
+              reads: Any) -> Optional[Saved]:
+    """``call``'s answer from the :class:`~._backward_reads.BackwardReads` of a
+    graph run on the states ``before`` and ``after`` it (the keys alive there,
+    in order); None where that graph cannot tell (an output of the call that
+    the state after it does not hold, or leaves that are not the keys)."""
+    if (reads is None or reads.input_count != len(before)
+            or reads.output_count != len(after) or not set(call.out_keys) <= set(after)):
+        return None
+    in_keys, out_keys = set(call.in_keys), set(call.out_keys)
+    return (frozenset(k for p, k in enumerate(before) if p in reads.inputs and k in in_keys),
+            frozenset(k for p, k in enumerate(after) if p in reads.outputs and k in out_keys))
+
+
+def _saved(call: GraphCall) -> Saved:
     """The keys of ``call.in_keys`` and of ``call.out_keys`` that an op of its
     gradient graph consumes."""
     by_key = dict(zip(call.arg_keys, call.arguments.keras_tensors))
@@ -95,31 +112,8 @@ def _saved(call: GraphCall) -> tuple[frozenset, frozenset]:
                              unconnected_gradients=tf.UnconnectedGradients.ZERO)
 
     func = tf.function(forward_and_backward, autograph=False).get_concrete_function(*specs)
-    operations = func.graph.get_operations()
-    backward = {op.name for op in operations[first_backward_op[0]:]}
-    inputs = {key for key, placeholder in zip(keys, func.graph.inputs[:len(keys)])
-              if _read_by(placeholder, backward)}
-    # An output is the model's input passed through (an Identity of a placeholder)
-    # only in degenerate layers; a tensor made in the forward is read by the backward
-    # if a gradient op consumes it.
-    outputs = {key for key, value in made.items()
-               if isinstance(value, tf.Tensor) and value.op.name not in backward
-               and _read_by(value, backward)}
-    return frozenset(inputs), frozenset(outputs)
-
-
-def _read_by(tensor: tf.Tensor, backward: set) -> bool:
-    """Whether an op of ``backward`` reads ``tensor`` (through forward identities)."""
-    pending, seen = [tensor], set()
-    while pending:
-        t = pending.pop()
-        for op in t.consumers():
-            if op.name in seen:
-                continue
-            seen.add(op.name)
-            if op.name in backward:
-                if op.type not in _SHAPE_OPS:
-                    return True
-            elif op.type in _PASS_THROUGH:
-                pending.extend(op.outputs)
-    return False
+    made_keys = list(made)
+    reads = backward_reads(func.graph, first_backward_op[0], func.graph.inputs[:len(keys)],
+                           [made[k] for k in made_keys])
+    return (frozenset(keys[p] for p in reads.inputs),
+            frozenset(made_keys[p] for p in reads.outputs))
