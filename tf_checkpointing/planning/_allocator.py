@@ -229,6 +229,7 @@ def median_settled(values: list[Any], runs: int) -> bool:
     them all.
 
     Example:
+        >>> from tf_checkpointing.planning._allocator import median_settled
         >>> median_settled([(4, 8), (4, 8), (4, 8)], runs=5)
         True
         >>> median_settled([4, 4, 6], runs=5)
