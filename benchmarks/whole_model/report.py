@@ -100,11 +100,12 @@ def targets(rows: list[dict], parallel: int = 1) -> list[tuple[str, str, bool]]:
                 out.append((f"{where}: (predicted within 10% of the tensors' peak)",
                             f"{err:+.0%}", abs(err) <= 0.10))
     for model in sorted({r["model"] for r in rows}):
-        half, plain = find(model, "budget 0.50"), _plain(rows, model, False)
-        if half and plain:
-            speed = _speed(half, plain)
-            out.append((f"{model}: halfway budget step time <= 1.2x plain", f"{speed:.2f}x",
-                        speed <= 1.2))
+        for xla in (False, True):
+            half, plain = find(model, "budget 0.50", xla), _plain(rows, model, xla)
+            if half and plain:
+                speed = _speed(half, plain)
+                out.append((f"{model}{' XLA' if xla else ''}: halfway budget step time <= 1.2x "
+                            "plain", f"{speed:.2f}x", speed <= 1.2))
     for r in rows:  # policies on the decoder at half the plain peak
         if r["strategy"] == "budget 1/2 plain policies=auto" and "peak_mib" in r:
             plain = _plain(rows, r["model"], False)
@@ -118,6 +119,20 @@ def targets(rows: list[dict], parallel: int = 1) -> list[tuple[str, str, bool]]:
         out.append(("resnet50: batch 40 (2.5x) fits plain's batch-16 peak",
                     f"{big['peak_mib']:.0f} vs {big['plain_batch16_peak_mib']:.0f} MiB",
                     big["peak_mib"] <= big["plain_batch16_peak_mib"]))
+    for model in sorted({r["model"] for r in rows}):  # issue 33: XLA saves what tf.function does
+        for strategy in ("budget=min", "hand-written per-block"):
+            graph, xla = find(model, strategy), find(model, strategy, xla=True)
+            if graph and xla:
+                ratio = xla["peak_mib"] / graph["peak_mib"]
+                out.append((f"{model} {strategy}: XLA peak <= 1.25x tf.function's",
+                            f"{ratio:.2f}x ({xla['peak_mib']:.1f} vs {graph['peak_mib']:.1f} MiB)",
+                            ratio <= 1.25))
+        least, hand = find(model, "budget=min", xla=True), find(model, "hand-written per-block",
+                                                                xla=True)
+        if model == "gpt2" and least and hand:  # per-block: apply_checkpointing(model, [Block])
+            out.append((f"{model} XLA: budget='min' <= per-block selection",
+                        f"{least['peak_mib']:.1f} vs {hand['peak_mib']:.1f} MiB",
+                        least["peak_mib"] <= hand["peak_mib"]))
     least = find("resnet50", "budget=min")
     if least and least.get("plan_s") is not None:
         load = "" if parallel <= 1 else ", shared with another model"

@@ -87,7 +87,8 @@ def worker(name: str, tiny: bool, budgets: int, only: str = "", rounds: int = 7)
     model(x)
     optimizer = keras.optimizers.SGD(1e-3)
     rows: list[dict] = []
-    steps: dict[str, Any] = {}  # traced tf.function steps, for the interleaved timing
+    steps: dict[bool, dict[str, Any]] = {False: {}, True: {}}  # traced steps, per jit, for
+    # the interleaved timing
 
     def wanted(strategy: str) -> bool:
         return strategy == "plain" or not only or re.search(only, strategy) is not None
@@ -117,8 +118,8 @@ def worker(name: str, tiny: bool, budgets: int, only: str = "", rounds: int = 7)
                    # here, after the strategies before it: the allocator's history
                    peak_shared_mib=statistics.median(shared),
                    step_s=statistics.median(times), **extra)
-        if not jit:
-            steps[strategy] = (step, inputs)
+        if inputs is x:
+            steps[jit][strategy] = (step, inputs)
         print(json.dumps(row), file=sys.stderr, flush=True)
         rows.append(row)
         return row
@@ -165,11 +166,16 @@ def worker(name: str, tiny: bool, budgets: int, only: str = "", rounds: int = 7)
                 policy_regions=sum(p.policy is not None for p in plan.pieces))
         if "policies" in label:
             print(plan, file=sys.stderr, flush=True)
-    _interleaved(name, steps, rounds, rows)
+    _interleaved(name, steps[False], rounds, rows, xla=False)
     reset()
     if not wanted("XLA"):
         return rows
     measure("plain", {}, jit=True)
+    if wanted("hand-written per-block"):  # what checkpointable on each block runs, under XLA
+        reset()
+        tc.apply_checkpointing(model, plan=hand)
+        measure("hand-written per-block", dict(plan=hand.to_config()), jit=True,
+                regions=len(hand.regions))
     if "error" in plans:
         rows.append(dict(model=name, strategy="budget (XLA)", xla=True, error=plans["error"]))
     for label, plan, fraction, _ in plans["xla"]:
@@ -178,6 +184,7 @@ def worker(name: str, tiny: bool, budgets: int, only: str = "", rounds: int = 7)
         measure(label, dict(plan=plan.to_config()), jit=True, budget_mib=_budget_mib(plan),
                 fraction=fraction, regions=len(plan.regions),
                 predicted_mib=plan.predicted_peak_bytes / MIB)
+    _interleaved(name, steps[True], rounds, rows, xla=True)
     if name == "resnet50" and not tiny:
         big = batch_of(batch * 5 // 2)
         reset()
@@ -239,12 +246,13 @@ def _plans(model: Any, x: Any, budgets: int, wanted: Any, *, xla: bool,
     return out
 
 
-def _interleaved(name: str, steps: dict, rounds: int, rows: list[dict]) -> None:
-    """Step time x plain of every ``tf.function`` strategy, timed in interleaved
-    rounds (each round runs every step once, in a rotating order; the median of
-    the per-round ratios): on a shared machine the one-after-another medians
-    drift (ResNet50's halfway plan read 1.35x plain one after another, 1.18x
-    interleaved with plain)."""
+def _interleaved(name: str, steps: dict, rounds: int, rows: list[dict], xla: bool) -> None:
+    """Step time x plain of every strategy of one kind (``xla``: the XLA steps,
+    else the ``tf.function`` ones), timed in interleaved rounds (each round runs
+    every step once, in a rotating order; the median of the per-round ratios): on
+    a shared machine the one-after-another medians drift (ResNet50's halfway plan
+    read 1.35x plain one after another, 1.18x interleaved with plain; the U-Net's
+    halfway XLA plan 1.46x and 1.07x)."""
     names = list(steps)
     if len(names) < 2:
         return
@@ -260,11 +268,11 @@ def _interleaved(name: str, steps: dict, rounds: int, rows: list[dict]) -> None:
         for strategy in names:
             ratios[strategy].append(seconds[strategy] / seconds["plain"])
     for row in rows:
-        if row["model"] == name and not row.get("xla") and row["strategy"] in ratios:
+        if row["model"] == name and row.get("xla", False) == xla and row["strategy"] in ratios:
             row["step_x_plain_interleaved"] = statistics.median(ratios[row["strategy"]])
             row["interleaved_rounds"] = rounds
-    print(json.dumps({s: round(statistics.median(r), 3) for s, r in ratios.items()}),
-          file=sys.stderr, flush=True)
+    print(json.dumps({f"{s}{' (XLA)' if xla else ''}": round(statistics.median(r), 3)
+                      for s, r in ratios.items()}), file=sys.stderr, flush=True)
 
 
 def main() -> None:

@@ -43,6 +43,7 @@ from tf_checkpointing.core._ordering import (
     variable_reads,
     weight_gradients_first,
 )
+from tf_checkpointing.core._pool_gradients import max_pool_gradients_from_windows
 from tf_checkpointing.core._replay_check import (
     check_mode_from_environment,
     signature,
@@ -287,9 +288,10 @@ class _Replay:
                     targets.append(out_leaves[i])
                     target_grads.append(grad)
             first_op = len(graph.get_operations()) if graph is not None else 0
-            grads = tape.gradient(
-                targets, inputs + differentiable_vars, output_gradients=target_grads
-            ) if targets else [None] * (len(inputs) + len(differentiable_vars))
+            with max_pool_gradients_from_windows():
+                grads = tape.gradient(
+                    targets, inputs + differentiable_vars, output_gradients=target_grads
+                ) if targets else [None] * (len(inputs) + len(differentiable_vars))
             reads = []
             if graph is not None:
                 weight_gradients_first(graph, first_op, target_grads)

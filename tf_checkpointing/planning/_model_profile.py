@@ -36,7 +36,7 @@ from tf_checkpointing.planning._layer_profile import ChainProfile
 from tf_checkpointing.planning._profile import profile_chain
 from tf_checkpointing.planning._regions import GraphCosts, RegionModel
 from tf_checkpointing.planning._saved_tensors import keys_read, saved_tensors
-from tf_checkpointing.planning._xla import forget_model_anchor
+from tf_checkpointing.planning._xla import fit_sources, forget_model_anchor
 
 __all__: list[str] = []
 
@@ -120,9 +120,9 @@ def _profile(graph: LayerGraph, inputs: Any, *, mode: str,
                                 compiled=mode != "eager", same_as=same,
                                 xla=mode == "xla", applied=mode != "eager",
                                 # A model whose every call backprop reaches is measured
-                                # as it was validated (the input's gradient made too).
-                                trainable=None if all(reached)
-                                else graph.model.trainable_variables)
+                                # as it was validated (the input's gradient made too),
+                                # but for XLA as fit's step is (see _xla.fit_sources).
+                                trainable=fit_sources(graph, mode))
     finally:
         in_fresh_thread(lambda: [v.assign(value) for v, value in zip(state, saved)])
     readers = graph.consumers()

@@ -6,9 +6,9 @@ Why a plan made from a graph profile overshoots under ``jit_compile=True``
 temporaries, and its live bytes at the peak are the activations the graph
 model predicts *plus* buffers that do not shrink with checkpointing: the
 weights transposed for the backward convolutions (about the size of all
-weights) and, for a MaxPool, the iota/broadcast tensors of its gradient, which
-XLA's scheduler computes as soon as their inputs exist and keeps until the
-backward reads them. The replays are not merged into the forward. A planner
+weights) and, for a MaxPool the plan leaves plain, the index arrays of its
+gradient, which XLA's scheduler computes as soon as their inputs exist and
+keeps until the backward reads them. The replays are not merged into the forward. A planner
 that scales the per-layer numbers to the XLA plain step treats that constant
 part as proportional, and predicts the plans that keep little far too low.
 
@@ -197,8 +197,20 @@ def measure_plan(graph: LayerGraph, inputs: Any, api: str, runner: PlanRunner, s
     _progress.step(f"compiling and measuring {'XLA' if mode == 'xla' else 'graph'} steps")
     return measure_xla_step(runner(plan), inputs, api,
                             graph.model.non_trainable_variables, jit=mode == "xla",
-                            trainable=None if all(backprop_calls(graph, mode))
-                            else graph.model.trainable_variables)
+                            trainable=fit_sources(graph, mode))
+
+
+def fit_sources(graph: LayerGraph, mode: str) -> Optional[Sequence[Any]]:
+    """What a whole-model step is differentiated for: the model's trainable
+    variables, as ``Model.fit`` differentiates them, under XLA or where backprop
+    does not reach every call (a frozen backbone); else None (the inputs too, as
+    the graph profile was validated). XLA schedules the step as one program, and
+    an input gradient nobody reads (the first convolution's) moved it: a least
+    plan whose step with it measured 29.4 MiB needed 33.5 in a step without it
+    (see docs/design.md#xla-plans)."""
+    if mode == "xla" or not all(backprop_calls(graph, mode)):
+        return graph.model.trainable_variables
+    return None
 
 
 def forget_model_anchor(key: Any) -> Optional[XlaAnchor]:
