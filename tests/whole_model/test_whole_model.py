@@ -300,6 +300,45 @@ def test_xla_plans_are_scaled_to_the_measured_xla_step():
                          mode="xla").mode == "xla"
 
 
+def test_an_xla_least_plan_compiles_no_step_unless_the_model_repeats_a_block(monkeypatch):
+    """budget="min" for an XLA step is made from the tf.function profile, and says
+    so: compiling the plain and the least plan's XLA steps took 220 of DenseNet121's
+    244 s of planning, and the first fit call 4.8x plain's (docs/design.md#xla-plans).
+    A model repeating a block of its own still has both plans measured, compiled."""
+    from tf_checkpointing.planning import _graph_profile
+
+    compiled = []
+    original = _graph_profile.graph_plain_peak
+    monkeypatch.setattr(_graph_profile, "graph_plain_peak",
+                        lambda calls, x, device, jit_compile=False, *args, **kwargs:
+                        compiled.append(jit_compile) or original(calls, x, device, jit_compile,
+                                                                 *args, **kwargs))
+    plan = tc.plan_model(residual_net(count=False), tf.random.normal([2, 8, 8, 3]),
+                         budget="min", mode="xla")
+    assert True not in compiled, compiled
+    assert plan.mode == "xla" and plan.predicted_for == "graph"
+    assert "predicted peak" in str(plan) and "for a tf.function step" in str(plan)
+    assert "no XLA step was compiled to plan it" in str(plan)
+    assert tc.ModelPlan.from_config(plan.to_config()) == plan
+
+    class Block(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.dense = keras.layers.Dense(16, activation="relu")
+
+        def call(self, x):
+            return x + self.dense(x)
+
+    inputs = keras.Input((16,))
+    h = inputs
+    for _ in range(3):
+        h = Block()(h)
+    compiled.clear()
+    blocks = tc.plan_model(keras.Model(inputs, keras.layers.Dense(1)(h)),
+                           tf.random.normal([8, 16]), budget="min", mode="xla")
+    assert True in compiled and blocks.predicted_for is None
+
+
 def test_an_xla_plan_that_measures_above_its_budget_is_chosen_again():
     """XLA's peak is not a line in the model's peak (ResNet50's plans between the
     least and plain measured up to 24% above it): the plan chosen for a budget

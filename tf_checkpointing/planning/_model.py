@@ -65,9 +65,14 @@ def _plan_graph(graph: LayerGraph, inputs: Any, budget: Optional[int], *, mode: 
         warn_eager_frozen(graph, api)
     else:
         policies = with_reductions(policies)
-    profile, costs = cached_profile(graph, inputs, mode, api)
+    blocks = block_spans(graph)
+    # The least plan for an XLA step compiles no step to be made, unless the model
+    # repeats a block of its own (both plans are then measured, below): it is the
+    # tf.function profile's, and so are its numbers (see docs/design.md#least-plans-under-xla).
+    measured = "graph" if mode == "xla" and budget is None and not blocks else mode
+    profile, costs = cached_profile(graph, inputs, measured, api)
     if policies:
-        choices = cached_choices(graph, inputs, mode, api, policies)
+        choices = cached_choices(graph, inputs, measured, api, policies)
         kept, cost = policy_arrays(choices, costs.kept, costs.cost)
         costs = dataclasses.replace(costs, policy_kept=kept, policy_cost=cost)
     region_model = calibrated(costs, profile.plain_peak_bytes)
@@ -76,12 +81,12 @@ def _plan_graph(graph: LayerGraph, inputs: Any, budget: Optional[int], *, mode: 
     assert least is not None  # every call alone, checkpointed or not, is a plan
     plain_peak = profile.plain_peak_bytes
     # For XLA, the model's peaks are mapped onto two measured XLA steps (see _xla).
-    key = profile_key(graph, inputs, mode)
+    key = profile_key(graph, inputs, measured)
     model_plain = region_model.peak(())
-    anchor = None if mode != "xla" else model_anchor(
+    anchor = None if measured != "xla" else model_anchor(
         key, graph, inputs, least.spans, runner, model_least=least.value,
         model_plain=model_plain, plain_bytes=profile.plain_peak_bytes, api=api)
-    chunks = _CHUNKS if mode == "graph" else 1.0
+    chunks = _CHUNKS if measured == "graph" else 1.0
 
     def predict(model_bytes: float, checkpointed: bool = True) -> float:
         # The plain step's chunks are what the profile calibrated on: no factor.
@@ -103,8 +108,9 @@ def _plan_graph(graph: LayerGraph, inputs: Any, budget: Optional[int], *, mode: 
                      budget_bytes=LEAST if budget is None else budget,
                      predicted_peak_bytes=int(predict(model_plain, False)),
                      plain_peak_bytes=plain_peak, min_budget_bytes=min(min_peak, plain_peak),
-                     policies=policies, predicted_extra_seconds=0.0)
-    measured: Optional[int] = None
+                     policies=policies, predicted_extra_seconds=0.0,
+                     predicted_for=None if measured == mode else measured)
+    measured_bytes: Optional[int] = None
     chosen = least
     if budget is None:
         if least.spans and predict(region_model.peak(least.spans,
@@ -112,7 +118,6 @@ def _plan_graph(graph: LayerGraph, inputs: Any, budget: Optional[int], *, mode: 
             # The least plan is no better than plain (a model whose body is one
             # layer call, as keras_hub's ViTBackbone's encoder): run it plainly.
             chosen = Solution(least.value, (), ())
-        blocks = block_spans(graph)
         if mode != "eager" and blocks and blocks != chosen.spans:
             # Never above the selection a user would write, apply_checkpointing(model,
             # [Block]): the model's errors can put its least plan there (see
@@ -122,7 +127,7 @@ def _plan_graph(graph: LayerGraph, inputs: Any, budget: Optional[int], *, mode: 
             theirs = measure_plan(graph, inputs, api, runner, blocks, mode=mode)
             if theirs < ours:
                 chosen = Solution(region_model.peak(blocks), blocks, (NO_POLICY,) * len(blocks))
-            measured = min(ours, theirs)
+            measured_bytes = min(ours, theirs)
     elif budget >= plain_peak:
         return plan
     elif budget < plan.min_budget_bytes:
@@ -146,7 +151,7 @@ def _plan_graph(graph: LayerGraph, inputs: Any, budget: Optional[int], *, mode: 
                 return None if got is None else got._replace(
                     value=region_model.peak(got.spans, policies=got.policies))
 
-            found, measured, anchor = plan_within(
+            found, measured_bytes, anchor = plan_within(
                 key, anchor, usable, solve_for,
                 lambda spans, chosen: measure_plan(graph, inputs, api, runner, spans,
                                                    policies_of(chosen)))
@@ -154,7 +159,7 @@ def _plan_graph(graph: LayerGraph, inputs: Any, budget: Optional[int], *, mode: 
     spans = chosen.spans
     return dataclasses.replace(
         plan, pieces=pieces_of_spans(0, len(names), spans, policies_of(chosen.policies)),
-        predicted_peak_bytes=int(measured if measured is not None else predict(
+        predicted_peak_bytes=int(measured_bytes if measured_bytes is not None else predict(
             region_model.peak(spans, policies=chosen.policies), bool(spans))),
         predicted_extra_seconds=region_model.extra_work(spans, chosen.policies))
 

@@ -8,9 +8,10 @@ model predicts *plus* buffers that do not shrink with checkpointing: the
 weights transposed for the backward convolutions (about the size of all
 weights) and, for a MaxPool the plan leaves plain, the index arrays of its
 gradient, which XLA's scheduler computes as soon as their inputs exist and
-keeps until the backward reads them. The replays are not merged into the forward. A planner
-that scales the per-layer numbers to the XLA plain step treats that constant
-part as proportional, and predicts the plans that keep little far too low.
+keeps until the backward reads them. The replays are not merged into the
+forward. A planner that scales the per-layer numbers to the XLA plain step
+treats that constant part as proportional, and predicts the plans that keep
+little far too low.
 
 So for an XLA step the planners compile and measure one more step, the
 least-memory plan, and map their model's peak ``g`` through the line that
@@ -204,10 +205,10 @@ def fit_sources(graph: LayerGraph, mode: str) -> Optional[Sequence[Any]]:
     """What a whole-model step is differentiated for: the model's trainable
     variables, as ``Model.fit`` differentiates them, under XLA or where backprop
     does not reach every call (a frozen backbone); else None (the inputs too, as
-    the graph profile was validated). XLA schedules the step as one program, and
-    an input gradient nobody reads (the first convolution's) moved it: a least
-    plan whose step with it measured 29.4 MiB needed 33.5 in a step without it
-    (see docs/design.md#xla-plans)."""
+    the graph profile was validated). XLA compiles the step as one program, so a
+    measured step should be the program ``fit`` runs: with the inputs' gradient
+    it held one convolution more (the first layer's input gradient, which nobody
+    reads)."""
     if mode == "xla" or not all(backprop_calls(graph, mode)):
         return graph.model.trainable_variables
     return None
