@@ -18,6 +18,11 @@ HEADROOM = 0.10
 # A tf.function plan's allocator chunks over its tensors, at the least plan: the
 # middle of the range measured on checkpointed plans (design.md#chunk-factor).
 CHUNKS = 1.10
+# An XLA budget plan that measured below this share of its usable budget is chosen
+# again on the curve through its measurement: one that keeps more recomputes less
+# (ResNet50's halfway plan measured 0.57x its budget, at 1.22x plain's step time;
+# design.md#xla-plans).
+XLA_BUDGET_USED = 0.85
 # A budget below this many bytes is a unit slip (MiB, GiB): no training step fits.
 LEAST_BYTES = 1024
 

@@ -49,6 +49,7 @@ from tf_checkpointing.planning import _progress
 from tf_checkpointing.planning._allocator import concrete_inputs, in_fresh_thread, memory_device
 from tf_checkpointing.planning._cache import registered
 from tf_checkpointing.planning._constants import XLA_ANCHOR_CACHE_SIZE as _CACHE_SIZE
+from tf_checkpointing.planning._constants import XLA_BUDGET_USED as _USED
 from tf_checkpointing.planning._frozen import backprop_calls
 from tf_checkpointing.planning._graph import LayerGraph
 from tf_checkpointing.planning._graph_profile import graph_plain_peak
@@ -232,23 +233,35 @@ class XlaChoice(NamedTuple):
 def plan_within(key: Any, anchor: XlaAnchor, usable: float,
                 solve_for: Callable[[float], Optional[Solution]],
                 measure_spans: Callable[[tuple, tuple], int],
-                tries: int = 3) -> XlaChoice:
+                tries: int = 3, *, used: float = _USED) -> XlaChoice:
     """The plan for an XLA budget of ``usable`` bytes, checked by measuring it.
 
-    ``solve_for(limit)`` returns the plan whose model peak (its ``value``) fits
-    ``limit``, or None; ``measure_spans`` compiles and measures a plan's XLA
-    step. Each measured plan becomes a point of the anchor (kept for ``key``,
-    so later budgets start from the corrected curve); a plan that measured
-    above ``usable`` is chosen again on the corrected curve, up to ``tries``
-    times."""
+    ``solve_for(limit)`` returns the plan with the least recomputation whose
+    model peak (its ``value``) fits ``limit``, or None; ``measure_spans``
+    compiles and measures a plan's XLA step. Each measured plan becomes a point
+    of the anchor (kept for ``key``, so later budgets start from the corrected
+    curve). A plan that measured above ``usable`` is chosen again on the
+    corrected curve; so is one that used less than ``used`` of it (the curve
+    was above the step, and a plan keeping more recomputes less); up to
+    ``tries`` plans are measured, and the last that fit is chosen."""
+    fitting: Optional[tuple[Solution, int]] = None
+    measured_spans: set = set()
     for _ in range(tries):
         found = solve_for(anchor.model_limit(usable))
         if found is None or not found.spans:
-            return XlaChoice(found, None, anchor)
+            return XlaChoice(found, None, anchor) if fitting is None else XlaChoice(
+                *fitting, anchor)
+        if found.spans in measured_spans:  # the corrected curve chose it again
+            break
+        measured_spans.add(found.spans)
         measured = measure_spans(found.spans, found.policies)
         anchor = anchor.with_point(found.value, measured)
         if key in _model_anchors:
             _model_anchors[key] = anchor
         if measured <= usable:
-            return XlaChoice(found, measured, anchor)
+            fitting = (found, measured)
+            if measured >= used * usable:
+                break
+    if fitting is not None:
+        return XlaChoice(*fitting, anchor)
     return XlaChoice(None, None, anchor)
