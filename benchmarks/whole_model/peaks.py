@@ -26,6 +26,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
@@ -45,10 +46,16 @@ def fresh_peaks(model: str, tiny: bool, spec: dict, steps: int,
     name, or ``"every"``), ``plan`` (a ``ModelPlan.to_config()``) and ``budget``. With
     ``tensors``, one more step is traced and the peak of its tensors (requested
     bytes, see ``tf_checkpointing.planning._requested``) is appended."""
-    command = [sys.executable, __file__, model, json.dumps(dict(spec, steps=steps,
-                                                                tensors=tensors))]
-    done = subprocess.run(command + (["--tiny"] if tiny else []), capture_output=True,
-                          text=True, check=False, env=dict(os.environ))
+    # The spec goes in a file: a ResNet50 plan's config (its calls' kinds, which a
+    # plan is checked against) is over the 128 KiB Linux allows one argument.
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as file:
+        json.dump(dict(spec, steps=steps, tensors=tensors), file)
+    try:
+        command = [sys.executable, __file__, model, "@" + file.name]
+        done = subprocess.run(command + (["--tiny"] if tiny else []), capture_output=True,
+                              text=True, check=False, env=dict(os.environ))
+    finally:
+        os.unlink(file.name)
     if done.returncode != 0:
         raise RuntimeError(f"{model} {spec}: {done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -69,11 +76,19 @@ def _apply(model: Any, spec: dict) -> None:
         tc.apply_checkpointing(model, budget=spec["budget"])
 
 
+def _spec(text: str) -> dict:
+    """The spec argument: JSON, or ``@path`` of a file holding it."""
+    if text.startswith("@"):
+        return json.loads(Path(text[1:]).read_text())
+    return json.loads(text)
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("model", choices=MODELS)
-    parser.add_argument("spec", type=json.loads, help='JSON: "batch", "steps", and "jit", '
-                        '"select", "plan", "budget", "tensors" (see fresh_peaks)')
+    parser.add_argument("spec", type=_spec, help='JSON: "batch", "steps", and "jit", '
+                        '"select", "plan", "budget", "tensors" (see fresh_peaks); '
+                        '@FILE: read from FILE')
     parser.add_argument("--tiny", action="store_true", help="the model's small shapes")
     args = parser.parse_args(argv)
     model_name, spec, tiny = args.model, args.spec, args.tiny
