@@ -20,8 +20,7 @@ HEADROOM = 0.10
 CHUNKS = 1.10
 # An XLA budget plan that measured below this share of its usable budget is chosen
 # again on the curve through its measurement: one that keeps more recomputes less
-# (ResNet50's halfway plan measured 0.57x its budget, at 1.22x plain's step time;
-# design.md#xla-plans).
+# (design.md#xla-plans).
 XLA_BUDGET_USED = 0.85
 # A budget below this many bytes is a unit slip (MiB, GiB): no training step fits.
 LEAST_BYTES = 1024
