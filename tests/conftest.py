@@ -1,12 +1,20 @@
-"""Test-suite set-up: exact CPU allocator statistics and quiet TensorFlow logs.
+"""Test-suite set-up: exact CPU allocator statistics, oneDNN's kernels and quiet
+TensorFlow logs.
 
-Both must be set before TensorFlow is imported, hence at the top of conftest.
+All must be set before TensorFlow is imported, hence at the top of conftest.
 """
 
 import os
 
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+# The suite's memory tests hold on every host, as the benchmarks' (benchmarks/_cli.py):
+# TensorFlow turns oneDNN on by default only on CPUs with AVX-512 VNNI/BF16, AVX-VNNI
+# or AMX, and without it a convolution's backward allocates a scratch buffer the size
+# of the L3 cache (32 MiB on an AVX2-only AMD EPYC), whatever its tensors' sizes: larger
+# than every activation of the suite's small models (docs/measuring-memory.md, "oneDNN:
+# a convolution's backward scratch").
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 
 import pytest  # noqa: E402
 
