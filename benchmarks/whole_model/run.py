@@ -113,8 +113,7 @@ def worker(name: str, tiny: bool, budgets: int, only: str = "", rounds: int = 7)
             step(inputs).numpy()
             times.append(time.perf_counter() - started)
         if "plan" in spec:  # which plan it was: two strategies may have made the same one
-            extra.setdefault("pieces", [piece[:3] for piece in spec["plan"]["pieces"]
-                                        if piece[2]])
+            extra.setdefault("pieces", [piece for piece in spec["plan"]["pieces"] if piece[2]])
         row = dict(model=name, strategy=strategy, xla=jit, peak_mib=statistics.median(peaks),
                    peak_max_mib=max(peaks), peaks_mib=[round(p, 2) for p in peaks],
                    tensor_peak_mib=tensor_mib,

@@ -209,3 +209,23 @@ def test_committed_family_results_markdown_is_their_json():
     assert applications_sweep.report(rows) == (results / "applications_sweep.md").read_text()
     rows = json.loads((results / "whole_model.json").read_text())
     assert whole_model_report.markdown_table(rows) in (results / "whole_model.md").read_text()
+
+
+def test_least_plan_against_the_blocks_compares_the_plans_before_their_peaks():
+    from benchmarks.whole_model.report import targets
+
+    blocks = [[4, 5, True, [], None], [5, 6, True, [], None]]
+    keeping = [[4, 5, True, [], "reductions_saveable"], [5, 6, True, [], None]]
+
+    def check(least_pieces, least_mib, xla=False):
+        rows = [dict(model="gpt2", strategy="hand-written per-block", xla=xla, peak_mib=52.8,
+                     pieces=blocks),
+                dict(model="gpt2", strategy="budget=min", xla=xla, peak_mib=least_mib,
+                     pieces=least_pieces)]
+        (found,) = [t for t in targets(rows) if "per-block selection" in t[0]]
+        return found
+
+    same = check(blocks, 53.4)
+    assert same[2] and "one plan" in same[1]  # the same regions: the op order's noise
+    assert not check(keeping, 53.4)[2]  # another plan (a region keeps its norms): peaks
+    assert check(keeping, 52.0, xla=True)[2] and "XLA" in check(keeping, 52.0, xla=True)[0]
