@@ -38,7 +38,12 @@ from tf_checkpointing import policies
 from tf_checkpointing.core._flags import checkpoint_scopes_entered
 from tf_checkpointing.core._internals import get_keras_mask, set_keras_mask, unpack_singleton
 from tf_checkpointing.core._losses import AddedLosses
-from tf_checkpointing.core._recompute import checkpointed_call, layer_state, needs_checkpoint
+from tf_checkpointing.core._recompute import (
+    checkpointed_call,
+    frozen_weights,
+    layer_state,
+    needs_checkpoint,
+)
 from tf_checkpointing.core._state import WritesKeptOut
 from tf_checkpointing.planning._allocator import in_xla_context
 from tf_checkpointing.planning._budget import Budget
@@ -231,7 +236,9 @@ class GraphRunner:
         out, out_masks = checkpointed_call(region, (values, masks), {},
                                            force_seed=self.force_seed, check=self.check,
                                            policy=piece.policy, private_outputs=private,
-                                           state=state)
+                                           state=state, frozen=[
+                                               w for call in calls
+                                               for w in frozen_weights(call.layer)])
         for key, value, m in zip(leaving, out, out_masks):
             if m is not None:
                 set_keras_mask(value, m)

@@ -20,7 +20,12 @@ import numpy as np
 import tensorflow as tf
 
 from tf_checkpointing import policies
-from tf_checkpointing.core._recompute import checkpointed_call, layer_state, needs_checkpoint
+from tf_checkpointing.core._recompute import (
+    checkpointed_call,
+    frozen_weights,
+    layer_state,
+    needs_checkpoint,
+)
 
 __all__: list[str] = []
 
@@ -65,6 +70,7 @@ def dispatch(fn: Callable[..., Any], args: tuple, kwargs: dict, options: _Option
         fn, args, kwargs, watch_vars=watch_vars, force_seed=force_seed, check=options.check,
         policy=policy,
         state=layer_state(layer) if layer is not None and tf.executing_eagerly() else (),
+        frozen=frozen_weights(layer) if layer is not None else (),
     )
 
 

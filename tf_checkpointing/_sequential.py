@@ -26,7 +26,7 @@ from typing import Any, Optional, Union
 import tensorflow as tf
 
 from tf_checkpointing import policies as save_policies
-from tf_checkpointing.core._recompute import checkpointed_call, needs_checkpoint
+from tf_checkpointing.core._recompute import checkpointed_call, frozen_weights, needs_checkpoint
 from tf_checkpointing.planning._budget import expect_budget
 from tf_checkpointing.planning._calling import layer_names, route_keywords, validate_layers
 from tf_checkpointing.planning._chain import cached_plan
@@ -280,7 +280,9 @@ def _run_pieces(layers, routed, pieces: Sequence[Segment], x, kwargs, policy=Non
             # The keywords go in as arguments (their tensors get gradients);
             # the segment routes the values it receives, fresh in the replay.
             x = checkpointed_call(_segment(layers, routed, piece, policy), (x,), dict(kwargs),
-                                  policy=chosen)
+                                  policy=chosen, frozen=[
+                                      w for layer in layers[piece.start:piece.stop]
+                                      for w in frozen_weights(layer)])
         else:
             x = _run_layers(layers, routed, piece.start, piece.stop, x)
     return x

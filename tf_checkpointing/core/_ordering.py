@@ -10,7 +10,9 @@ that cannot be optimized away: an always-zero value computed from one element
 of each incoming gradient (:func:`_opaque_zero`), and, for the variable
 gradients, of each value the replay read from a variable (:func:`after_replay`).
 Under XLA, a replay's reads of convolution filters wait for the gradient too
-(:func:`filters_after_gradient`).
+(:func:`filters_after_gradient`), and each weight gradient is made before the
+input gradient that shares its incoming gradient by data, not by a control edge,
+which XLA ignores (:func:`weight_gradients_first`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,10 @@ _READS_ACTIVATION = frozenset({
 _MAKES_INPUT_GRADIENT = frozenset({
     "Conv2DBackpropInput", "Conv2DBackpropInputV2", "Conv3DBackpropInputV2",
     "DepthwiseConv2dNativeBackpropInput", "MatMul", "BatchMatMulV2", "BatchMatMulV3"})
+# A bias's gradient: a reduction of the incoming gradient alone. XLA (TensorFlow
+# 2.16's) ran those of a chain's last layers at the end of the step, each holding
+# its layer's incoming gradient until then.
+_REDUCES_GRADIENT = frozenset({"BiasAddGrad"})
 # Where a tensor comes from a variable (its buffer is the variable's: nothing to free).
 _VARIABLE_READS = frozenset({"ReadVariableOp", "Const", "VarHandleOp", "Placeholder"})
 # Ops that only read a variable's value.
@@ -224,7 +230,8 @@ def _opaque_zero(grads: Sequence[Any]) -> tf.Tensor:
     return tf.where(tf.equal(as_bool, as_bool), 0.0, float("nan"))
 
 
-def weight_gradients_first(graph: Any, first_op: int, incoming: Any = ()) -> int:
+def weight_gradients_first(graph: Any, first_op: int, incoming: Any = (),
+                           untaken: Sequence[Any] = ()) -> int:
     """Orders each weight gradient of a replay's backward before the input
     gradient made from the same incoming gradient; returns how many edges it added.
 
@@ -247,8 +254,15 @@ def weight_gradients_first(graph: Any, first_op: int, incoming: Any = ()) -> int
     reads nothing made by the backward but the shared gradient, and the
     activation it reads is not a variable's value (freeing it frees nothing).
     The edges are control edges between two kernels that Grappler keeps (it
-    removes only edges implied by data, or on no-op nodes). Eager execution
-    runs in program order, so there is nothing to do there.
+    removes only edges implied by data, or on no-op nodes). XLA ignores control
+    edges: under XLA the input gradient reads the shared gradient plus an opaque
+    zero computed from the weight gradient (a data edge), except where the
+    weight gradient feeds one of ``untaken``, the gradients the outer backward
+    may never ask for (a frozen Keras layer's weights, which TensorFlow still
+    calls trainable): a data edge would make that unused kernel run. Under XLA a
+    bias's gradient, which reads the shared gradient alone, is made first too:
+    XLA may otherwise run it at the end of the step, holding the gradient. Eager
+    execution runs in program order, so there is nothing to do there.
     """
     operations = graph.get_operations()[first_op:]
     made = {op.name for op in operations}
@@ -258,26 +272,71 @@ def weight_gradients_first(graph: Any, first_op: int, incoming: Any = ()) -> int
         for tensor in op.inputs:
             if tensor.op.name in made or tensor.op.type not in _VARIABLE_READS:
                 readers.setdefault(tensor.ref(), []).append(op)
+    by_data = control_flow_util.GraphOrParentsInXlaContext(graph)
+    optional = _first_readers_of_activations(untaken, made) if by_data else set()
+    rewired: dict = {}
     added = 0
     for op in operations:
-        if op.type not in _READS_ACTIVATION:
+        reduces = by_data and op.type in _REDUCES_GRADIENT
+        if op.type not in _READS_ACTIVATION and not reduces:
             continue
         inner = [t for t in op.inputs if (t.op.name in made or t.ref() in gradients)
                  and not _shape_of_forward(t, made)]
         outer = [t for t in op.inputs if t.op.name not in made and t.ref() not in gradients
                  and t.op.type not in _VARIABLE_READS and _nbytes(t) > 0]
-        if len(inner) != 1 or not outer:
+        if len(inner) != 1 or not (outer or reduces):
             continue  # reads no activation, or more than the one incoming gradient
         gradient = inner[0]
-        for other in readers.get(gradient.ref(), ()):
+        for other in dict.fromkeys(readers.get(gradient.ref(), ())):
             if (other is op or other.type not in _MAKES_INPUT_GRADIENT
                     or any(t.ref() == x.ref() for t in other.inputs for x in outer)
                     or op in other.control_inputs or _depends_on(op, other, made)):
                 continue  # the same activation, already ordered, or a cycle (attention's
                 # two products both read an activation: the first one met goes first)
-            other._add_control_input(op)  # noqa: SLF001 - no public API orders two ops
+            if by_data and op.name not in optional:
+                _wait_by_data(other, gradient, op, made, rewired)
+            else:
+                other._add_control_input(op)  # noqa: SLF001 - no public API orders two ops
             added += 1
     return added
+
+
+def _wait_by_data(other: Any, gradient: Any, op: Any, made: set, rewired: dict) -> None:
+    """Rewires ``other``'s reads of ``gradient`` to ``gradient + opaque zero of
+    op's output``: the same value, made after ``op`` (and after the ops it was
+    made to wait for before: ``rewired``). The new ops join ``made``, so that
+    later cycle checks walk through them."""
+    key = (other.name, gradient.ref())
+    read = rewired.get(key, gradient)
+    waited = read + tf.cast(_opaque_zero([op.outputs[0]]), gradient.dtype)
+    rewired[key] = waited
+    pending = [waited.op]
+    while pending:
+        current = pending.pop()
+        made.add(current.name)
+        pending.extend(t.op for t in current.inputs
+                       if t.op.name not in made and t.op is not gradient.op)
+    for k, tensor in enumerate(other.inputs):
+        if tensor.ref() == read.ref():
+            other._update_input(k, waited)  # noqa: SLF001 - no public API rewires an input
+
+
+def _first_readers_of_activations(gradients: Sequence[Any], made: set) -> set:
+    """Names of the kernels reading an activation that each of ``gradients``
+    depends on, first met walking back from it through the backward."""
+    found: set = set()
+    pending = [g.op for g in gradients if isinstance(g, tf.Tensor) and g.op.name in made]
+    seen = {op.name for op in pending}
+    while pending:
+        current = pending.pop()
+        if current.type in _READS_ACTIVATION or current.type in _REDUCES_GRADIENT:
+            found.add(current.name)
+            continue
+        for tensor in current.inputs:
+            if tensor.op.name in made and tensor.op.name not in seen:
+                seen.add(tensor.op.name)
+                pending.append(tensor.op)
+    return found
 
 
 def _depends_on(op: Any, other: Any, made: set) -> bool:

@@ -80,6 +80,7 @@ def checkpointed_call(
     policy: Any = None,
     private_outputs: Collection[int] = (),
     state: Sequence[Any] = (),
+    frozen: Sequence[Any] = (),
 ) -> Any:
     """Calls ``fn(*args, **kwargs)`` keeping only its inputs for backprop.
 
@@ -101,6 +102,10 @@ def checkpointed_call(
             argument of an op without an op anyone can watch, so a read before a
             write is invisible; these are read first, so that the replay starts
             from the values the forward started from (see ``_state``).
+        frozen: variables whose gradient no one asks for though TensorFlow calls
+            them trainable (a frozen Keras layer's weights, :func:`frozen_weights`):
+            under XLA the replay's backward does not make their gradients run
+            (see ``_ordering.weight_gradients_first``).
 
     Returns:
         What ``fn`` returns, with gradients defined by replaying ``fn``.
@@ -118,6 +123,7 @@ def checkpointed_call(
     fn, loss_owners = with_added_losses(fn)
     replay = _Replay(fn, flat, positions, watch_vars, force_seed, check)
     replay.state = state
+    replay.frozen = frozenset(_handle_id(v) for v in frozen)
     if policy is not None:
         replay.saver = _save_policies.Saver(policy)
     returned: dict[str, Any] = {}
@@ -158,6 +164,24 @@ def layer_state(layer: Any) -> list[Any]:
             *getattr(layer, "metrics_variables", ())]
 
 
+def frozen_weights(layer: Any) -> list[Any]:
+    """A Keras layer's weights that Keras does not train: every weight of a
+    frozen layer (``layer.trainable = False``), statistics included. Keras
+    marks its own variables untrainable, not the TensorFlow variables holding
+    their values, which a tape still watches; the optimizer never asks for
+    their gradients."""
+    return list(getattr(layer, "non_trainable_weights", ()))
+
+
+def _handle_id(variable: Any) -> int:
+    """One id for a Keras variable and the TensorFlow variable holding its
+    value (the one a tape sees): their shared resource handle's."""
+    try:
+        return id(variable.handle)
+    except (AttributeError, ValueError, RuntimeError):  # a distributed variable, off replica
+        return id(variable)
+
+
 def checkpointed(fn: Callable[..., Any], *, policy: Any = None) -> Callable[..., Any]:
     """``fn`` as a callable whose calls are checkpointed (under ``policy``) when a
     gradient can be taken, and run directly otherwise: what
@@ -190,6 +214,7 @@ class _Replay:
 
     saver: Any = _save_policies.NO_SAVER
     state: Sequence[Any] = ()
+    frozen: frozenset = frozenset()
 
     def __init__(self, fn, flat, positions, watch_vars, force_seed, check):
         self.fn = fn
@@ -294,7 +319,9 @@ class _Replay:
                 ) if targets else [None] * (len(inputs) + len(differentiable_vars))
             reads = []
             if graph is not None:
-                weight_gradients_first(graph, first_op, target_grads)
+                untaken = [g for v, g in zip(differentiable_vars, grads[len(inputs):])
+                           if _handle_id(v) in self.frozen]
+                weight_gradients_first(graph, first_op, target_grads, untaken)
                 if differentiable_vars:
                     reads = variable_reads(graph, (replay_op, first_op),
                                            len(graph.get_operations()))
