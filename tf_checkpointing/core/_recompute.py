@@ -175,7 +175,11 @@ def frozen_weights(layer: Any) -> list[Any]:
 
 def _handle_id(variable: Any) -> int:
     """One id for a Keras variable and the TensorFlow variable holding its
-    value (the one a tape sees): their shared resource handle's."""
+    value (the one a tape sees): their shared resource handle's. A Keras
+    variable's own ``handle`` reads its ``value``, which inside a mixed-precision
+    layer's autocast scope is a cast copy with no handle: its TensorFlow
+    variable is read instead (Keras' TensorFlow backend keeps it in ``_value``)."""
+    variable = getattr(variable, "_value", variable)
     try:
         return id(variable.handle)
     except (AttributeError, ValueError, RuntimeError):  # a distributed variable, off replica
