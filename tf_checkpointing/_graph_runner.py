@@ -231,14 +231,16 @@ class GraphRunner:
         # its pooled copy) is not worth a warning. Each key is one tensor: leaf k.
         model_outputs = set(self.graph.output_keys)
         private = [k for k, key in enumerate(leaving) if key not in model_outputs]
-        state = [] if not tf.executing_eagerly() else [
-            v for call in calls for v in layer_state(call.layer)]
+        # State is read first in eager mode only; frozen weights matter only in a
+        # graph, where a replay's backward is ordered (core._ordering).
+        if tf.executing_eagerly():
+            state, frozen = [v for call in calls for v in layer_state(call.layer)], []
+        else:
+            state, frozen = [], [w for call in calls for w in frozen_weights(call.layer)]
         out, out_masks = checkpointed_call(region, (values, masks), {},
                                            force_seed=self.force_seed, check=self.check,
                                            policy=piece.policy, private_outputs=private,
-                                           state=state, frozen=[
-                                               w for call in calls
-                                               for w in frozen_weights(call.layer)])
+                                           state=state, frozen=frozen)
         for key, value, m in zip(leaving, out, out_masks):
             if m is not None:
                 set_keras_mask(value, m)

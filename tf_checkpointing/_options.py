@@ -70,7 +70,7 @@ def dispatch(fn: Callable[..., Any], args: tuple, kwargs: dict, options: _Option
         fn, args, kwargs, watch_vars=watch_vars, force_seed=force_seed, check=options.check,
         policy=policy,
         state=layer_state(layer) if layer is not None and tf.executing_eagerly() else (),
-        frozen=frozen_weights(layer) if layer is not None else (),
+        frozen=frozen_weights(layer) if layer is not None and not tf.executing_eagerly() else (),
     )
 
 

@@ -280,7 +280,7 @@ def _run_pieces(layers, routed, pieces: Sequence[Segment], x, kwargs, policy=Non
             # The keywords go in as arguments (their tensors get gradients);
             # the segment routes the values it receives, fresh in the replay.
             x = checkpointed_call(_segment(layers, routed, piece, policy), (x,), dict(kwargs),
-                                  policy=chosen, frozen=[
+                                  policy=chosen, frozen=[] if tf.executing_eagerly() else [
                                       w for layer in layers[piece.start:piece.stop]
                                       for w in frozen_weights(layer)])
         else:

@@ -105,7 +105,7 @@ def checkpointed_call(
         frozen: variables whose gradient no one asks for though TensorFlow calls
             them trainable (a frozen Keras layer's weights, :func:`frozen_weights`):
             under XLA the replay's backward does not make their gradients run
-            (see ``_ordering.weight_gradients_first``).
+            (see ``_ordering.weight_gradients_first``). Read in graphs only.
 
     Returns:
         What ``fn`` returns, with gradients defined by replaying ``fn``.
