@@ -35,6 +35,7 @@ import keras
 import tensorflow as tf
 
 from tf_checkpointing import policies
+from tf_checkpointing._block_switch import install_switches, remove_switches, set_switches
 from tf_checkpointing.core._flags import checkpoint_scopes_entered
 from tf_checkpointing.core._internals import get_keras_mask, set_keras_mask, unpack_singleton
 from tf_checkpointing.core._losses import AddedLosses
@@ -46,6 +47,7 @@ from tf_checkpointing.core._recompute import (
 )
 from tf_checkpointing.core._state import WritesKeptOut
 from tf_checkpointing.planning._allocator import in_xla_context
+from tf_checkpointing.planning._blocks import block_layers, inner_block_choices
 from tf_checkpointing.planning._budget import Budget
 from tf_checkpointing.planning._frozen import backprop_calls
 from tf_checkpointing.planning._graph import (
@@ -96,6 +98,10 @@ class GraphRunner:
         # Every layer whose losses the profile could add (nested models' too).
         self._layers = list(graph.model._flatten_layers(include_self=True,  # noqa: SLF001
                                                          recursive=True))
+        # The blocks inside calls a plan may checkpoint (see _block_switch).
+        refs = {ref for choice in inner_block_choices(graph) for ref in choice}
+        refs.update(plan.blocks if plan is not None else ())
+        self.blocks = dict(zip(sorted(refs), block_layers(graph, tuple(sorted(refs)))))
 
     @property
     def plans(self) -> PlansByShape[ModelPlan]:
@@ -116,6 +122,7 @@ class GraphRunner:
         context = dict(kwargs, training=training)
         n = len(self.graph.calls)
         plan = self._plan_for(inputs, training) if needs_checkpoint() else None
+        set_switches(self.blocks, plan.blocks if plan is not None else ())
         if plan is None:  # nothing can take a gradient, or inference with no plan
             self._run(env, 0, n, context)
         else:
@@ -332,10 +339,13 @@ def install(model: Any, *, plan: Optional[ModelPlan] = None, budget: Optional[Bu
             )
     current = vars(model).get("call")
     original = current.original_call if isinstance(current, GraphRunner) else None
+    if isinstance(current, GraphRunner):  # replaced: its blocks' switches go with it
+        remove_switches(current.blocks.values())
     runner = GraphRunner(graph, plan=plan, budget=budget, mode=mode,
                          original_call=original or type(model).call,
                          force_seed=force_seed, check=check, policies=policies,
                          plan_cache=plan_cache)
+    install_switches(runner.blocks.values(), force_seed=force_seed, check=check)
     # Plain object.__setattr__: nothing for Keras or TensorFlow to track.
     object.__setattr__(model, "call", runner)
     return runner

@@ -21,9 +21,11 @@ from typing import Any, Optional, Union
 import keras
 import tensorflow as tf
 
+from tf_checkpointing._block_switch import switches_installed
 from tf_checkpointing._graph_runner import install, model_runner
 from tf_checkpointing.core._internals import keras_numpy_ops
 from tf_checkpointing.planning._allocator import expect_statistics
+from tf_checkpointing.planning._blocks import candidate_layers
 from tf_checkpointing.planning._budget import expect_budget
 from tf_checkpointing.planning._choices import expect_policies
 from tf_checkpointing.planning._constants import COSTLY_SELECTION_RATIO
@@ -128,8 +130,10 @@ def plan_model(model: Any, inputs: Any, *, budget: Union[int, float, str], mode:
     candidates = expect_policies(policies, api)
     graph = read_graph(model, api)
     _expect_inputs(model, graph, inputs, api)
-    plan = plan_graph(graph, inputs, checked, mode=mode, api=api, runner=model_runner(graph),
-                      policies=candidates)
+    # Planning may run blocks inside calls checkpointed: switches for as long as it does.
+    with switches_installed(candidate_layers(graph)):
+        plan = plan_graph(graph, inputs, checked, mode=mode, api=api,
+                          runner=model_runner(graph), policies=candidates)
     # apply_checkpointing(model, budget=...) runs it where it would plan the same
     # (a fit whose batch size is unknown, see planning._reuse).
     remember(model, inputs, checked, candidates, plan)

@@ -247,6 +247,26 @@ def graph_plain_peak(calls, x, device, jit_compile: bool = False,
             variable.assign(value)
 
 
+def eager_plain_peak(calls, x, device, trainable: Optional[Sequence[Any]] = None) -> int:
+    """Peak of the chain's forward and backward run eagerly, as an eager training
+    step runs it: the tape keeps what each op's gradient needs, and the weight
+    gradients are all held until an optimizer would apply them. The median of a
+    few steps, after one that builds what the calls build once."""
+    def step() -> list[Any]:
+        tape, y = taped(lambda x: run_all(calls, x), x, watch=trainable is None)
+        return _backprop(tape, x, y, trainable, like_a_loss=True)[1]
+
+    sync(step())  # warm up
+    allocator = Allocator(device)
+    peaks: list[int] = []
+    while len(peaks) < _PLAIN_STEPS and not median_settled(peaks, _PLAIN_STEPS):
+        start = allocator.mark()
+        grads = step()
+        peaks.append(max(0, allocator.peak_since_mark() - start))
+        del grads
+    return median(peaks)
+
+
 def _sgd_update(variable: tf.Variable, grad: Any, learning_rate: float = 1e-3) -> None:
     """``variable -= learning_rate * grad``, as Keras' SGD (a sparse gradient
     scattered)."""

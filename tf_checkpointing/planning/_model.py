@@ -12,10 +12,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections import Counter
-from typing import Any, Optional
+import warnings
+from typing import Any, NamedTuple, Optional
 
 from tf_checkpointing.planning import _progress
+from tf_checkpointing.planning._blocks import (
+    BlockRef,
+    block_layers,
+    block_spans,
+    inner_block_choices,
+    sublayers,
+)
 from tf_checkpointing.planning._budget import LEAST, Budget
 from tf_checkpointing.planning._constants import CHUNKS as _CHUNKS
 from tf_checkpointing.planning._constants import HEADROOM as _HEADROOM
@@ -34,13 +41,14 @@ from tf_checkpointing.planning._plan import ModelPlan, pieces_of_spans
 from tf_checkpointing.planning._region_solver import NO_POLICY, Solution, nested_options, solve
 from tf_checkpointing.planning._runner import PlanRunner
 from tf_checkpointing.planning._xla import (
+    XlaAnchor,
     measure_plan,
     model_anchor,
     plan_within,
 )
 from tf_checkpointing.policies import reductions_saveable
 
-__all__ = ["plan_graph"]
+__all__ = ["block_spans", "plan_graph"]
 
 # The constants are explained where they are defined (planning/_constants.py).
 
@@ -53,141 +61,241 @@ def plan_graph(graph: LayerGraph, inputs: Any, budget: Budget, *, mode: str, api
     was before (see ``_no_trace``)."""
     _expect_layer_calls(graph, api)
     with nothing_left(), _progress.planning(api, f"`{graph.model.name}`"):
-        return _plan_graph(graph, inputs, None if budget == LEAST else int(budget), mode=mode,
-                           api=api, runner=runner, policies=policies)
+        planning = _Planning.start(graph, inputs, None if budget == LEAST else int(budget),
+                                   mode=mode, api=api, runner=runner, policies=policies)
+        if planning.budget is None:
+            return _least_plan(planning)
+        return _budget_plan(planning, planning.budget)
 
 
-def _plan_graph(graph: LayerGraph, inputs: Any, budget: Optional[int], *, mode: str,
-                api: str, runner: PlanRunner, policies: tuple[Any, ...]) -> ModelPlan:
-    mode = step_mode(mode)
-    if mode == "eager":  # a policy keeps nothing in eager mode: no choice
-        policies = ()
-        warn_eager_frozen(graph, api)
-    else:
-        policies = with_reductions(policies)
-    blocks = block_spans(graph)
-    # The least plan for an XLA step compiles no step to be made, unless the model
-    # repeats a block of its own (both plans are then measured, below): it is the
-    # tf.function profile's, and so are its numbers (see docs/design.md#least-plans-under-xla).
-    measured = "graph" if mode == "xla" and budget is None and not blocks else mode
-    profile, costs = cached_profile(graph, inputs, measured, api)
-    if policies:
-        choices = cached_choices(graph, inputs, measured, api, policies)
-        kept, cost = policy_arrays(choices, costs.kept, costs.cost)
-        costs = dataclasses.replace(costs, policy_kept=kept, policy_cost=cost)
-    region_model = calibrated(costs, profile.plain_peak_bytes)
-    nested = nested_options(region_model)
-    least = solve(region_model, None, nested=nested)
-    assert least is not None  # every call alone, checkpointed or not, is a plan
-    plain_peak = profile.plain_peak_bytes
-    # For XLA, the model's peaks are mapped onto two measured XLA steps (see _xla).
-    key = profile_key(graph, inputs, measured)
-    model_plain = region_model.peak(())
-    anchor = None if measured != "xla" else model_anchor(
-        key, graph, inputs, least.spans, runner, model_least=least.value,
-        model_plain=model_plain, plain_bytes=profile.plain_peak_bytes, api=api)
-    chunks = _CHUNKS if measured == "graph" else 1.0
+class _Option(NamedTuple):
+    """A plan the planner may choose: regions (with their policies' indices) and
+    blocks inside calls checkpointed one by one."""
 
-    def predict(model_bytes: float, checkpointed: bool = True) -> float:
-        # The plain step's chunks are what the profile calibrated on: no factor.
-        if anchor is not None:
-            return anchor.predict(model_bytes)
-        if not checkpointed:
+    solution: Solution
+    blocks: tuple[BlockRef, ...] = ()
+
+
+@dataclasses.dataclass
+class _Planning:
+    """What planning one model for one budget knows: the profile's region model,
+    its least plan, and how a model peak maps onto the step's (the allocator's
+    chunk factor, or XLA's measured anchor)."""
+
+    graph: LayerGraph
+    inputs: Any
+    budget: Optional[int]
+    mode: str
+    api: str
+    runner: PlanRunner
+    policies: tuple[Any, ...]
+    region_model: Any
+    nested: dict
+    least: Solution
+    plain_peak: int
+    key: Any
+    anchor: Optional[XlaAnchor]
+    chunks: float
+    predicted_for: Optional[str]
+    inner: list[tuple[BlockRef, ...]]
+    _inner_peaks: Optional[list[int]] = None
+
+    @classmethod
+    def start(cls, graph: LayerGraph, inputs: Any, budget: Optional[int], *, mode: str,
+              api: str, runner: PlanRunner, policies: tuple[Any, ...]) -> _Planning:
+        """Profiles the model (once per model, inputs and mode: cached) and
+        solves for its least plan."""
+        mode = step_mode(mode)
+        if mode == "eager":  # a policy keeps nothing in eager mode: no choice
+            policies = ()
+            warn_eager_frozen(graph, api)
+        else:
+            policies = with_reductions(policies)
+        inner = inner_block_choices(graph)
+        # The least plan for an XLA step compiles no step to be made, unless the model
+        # repeats a block of its own (the candidates are then measured): it is the
+        # tf.function profile's, and so are its numbers (see docs/design.md#least-plans-under-xla).
+        measured = ("graph" if mode == "xla" and budget is None and not block_spans(graph)
+                    and not inner else mode)
+        profile, costs = cached_profile(graph, inputs, measured, api)
+        if policies:
+            choices = cached_choices(graph, inputs, measured, api, policies)
+            kept, cost = policy_arrays(choices, costs.kept, costs.cost)
+            costs = dataclasses.replace(costs, policy_kept=kept, policy_cost=cost)
+        region_model = calibrated(costs, profile.plain_peak_bytes)
+        nested = nested_options(region_model)
+        least = solve(region_model, None, nested=nested)
+        assert least is not None  # every call alone, checkpointed or not, is a plan
+        # For XLA, the model's peaks are mapped onto two measured XLA steps (see _xla).
+        key = profile_key(graph, inputs, measured)
+        anchor = None if measured != "xla" else model_anchor(
+            key, graph, inputs, least.spans, runner, model_least=least.value,
+            model_plain=region_model.peak(()), plain_bytes=profile.plain_peak_bytes, api=api)
+        if anchor is not None and not anchor.helps:
+            least = Solution(least.value, (), ())
+        return cls(graph=graph, inputs=inputs, budget=budget, mode=mode, api=api,
+                   runner=runner, policies=policies, region_model=region_model, nested=nested,
+                   least=least, plain_peak=profile.plain_peak_bytes, key=key, anchor=anchor,
+                   chunks=_CHUNKS if measured == "graph" else 1.0,
+                   predicted_for=None if measured == mode else measured, inner=inner)
+
+    def predict(self, model_bytes: float, checkpointed: bool = True) -> float:
+        """The step's peak for a plan the model predicts ``model_bytes`` for."""
+        if self.anchor is not None:
+            return self.anchor.predict(model_bytes)
+        if not checkpointed:  # the plain step's chunks are what the profile calibrated on
             return model_bytes
-        return model_bytes * chunk_factor(model_bytes, model_plain, least.value, chunks)
+        model_plain = self.region_model.peak(())
+        return model_bytes * chunk_factor(model_bytes, model_plain, self.least.value,
+                                          self.chunks)
 
-    def policies_of(chosen: tuple[int, ...]) -> tuple[Any, ...]:
-        return tuple(None if p == NO_POLICY else policies[p] for p in chosen)
+    def policies_of(self, chosen: tuple[int, ...]) -> tuple[Any, ...]:
+        return tuple(None if p == NO_POLICY else self.policies[p] for p in chosen)
 
-    if anchor is not None and not anchor.helps:
-        least = Solution(least.value, (), ())
-    min_peak = int(math.ceil(predict(least.value) / (1 - _HEADROOM)))
-    names = tuple(call.name for call in graph.calls)
-    plan = ModelPlan(names=names, call_kinds=graph.kinds(),
-                     pieces=pieces_of_spans(0, len(names), ()), mode=mode,
-                     budget_bytes=LEAST if budget is None else budget,
-                     predicted_peak_bytes=int(predict(model_plain, False)),
-                     plain_peak_bytes=plain_peak, min_budget_bytes=min(min_peak, plain_peak),
-                     policies=policies, predicted_extra_seconds=0.0,
-                     predicted_for=None if measured == mode else measured)
-    measured_bytes: Optional[int] = None
-    chosen = least
-    if budget is None:
-        if least.spans and predict(region_model.peak(least.spans,
-                                                     policies=least.policies)) >= plain_peak:
-            # The least plan is no better than plain (a model whose body is one
-            # layer call, as keras_hub's ViTBackbone's encoder): run it plainly.
-            chosen = Solution(least.value, (), ())
-        if mode != "eager" and blocks and blocks != chosen.spans:
-            # Never above the selection a user would write, apply_checkpointing(model,
-            # [Block]): the model's errors can put its least plan there (see
-            # docs/design.md#least-plan-against-the-blocks). Both are measured.
-            ours = measure_plan(graph, inputs, api, runner, chosen.spans,
-                                policies_of(chosen.policies), mode=mode)
-            theirs = measure_plan(graph, inputs, api, runner, blocks, mode=mode)
-            if theirs < ours:
-                chosen = Solution(region_model.peak(blocks), blocks, (NO_POLICY,) * len(blocks))
-            measured_bytes = min(ours, theirs)
-    elif budget >= plain_peak:
-        return plan
-    elif budget < plan.min_budget_bytes:
+    def measure(self, option: _Option) -> int:
+        """The peak of the step run by ``option``, measured."""
+        blocks = {"blocks": option.blocks} if option.blocks else {}
+        return measure_plan(self.graph, self.inputs, self.api, self.runner,
+                            option.solution.spans, self.policies_of(option.solution.policies),
+                            mode=self.mode, **blocks)
+
+    def inner_peaks(self) -> list[int]:
+        """The measured peak of each selection of blocks inside calls (once)."""
+        if self._inner_peaks is None:
+            self._inner_peaks = [self.measure(_Option(_PLAIN, refs)) for refs in self.inner]
+        return self._inner_peaks
+
+    def min_budget(self) -> int:
+        """The least budget accepted: the least plan's predicted peak (or the
+        least measured selection of blocks inside calls), plus the headroom."""
+        least = min([self.predict(self.least.value), *self.inner_peaks()])
+        return min(int(math.ceil(least / (1 - _HEADROOM))), self.plain_peak)
+
+    def plan(self, option: _Option, predicted: Optional[float] = None) -> ModelPlan:
+        """The :class:`ModelPlan` of ``option`` (``predicted``: its measured peak)."""
+        names = tuple(call.name for call in self.graph.calls)
+        spans = option.solution.spans
+        if predicted is None:
+            predicted = self.predict(
+                self.region_model.peak(spans, policies=option.solution.policies), bool(spans))
+        layers = block_layers(self.graph, option.blocks)
+        return ModelPlan(
+            names=names, call_kinds=self.graph.kinds(),
+            pieces=pieces_of_spans(0, len(names), spans,
+                                   self.policies_of(option.solution.policies)),
+            mode=self.mode, budget_bytes=LEAST if self.budget is None else self.budget,
+            predicted_peak_bytes=int(predicted), plain_peak_bytes=self.plain_peak,
+            min_budget_bytes=self.min_budget(), policies=self.policies,
+            predicted_extra_seconds=None if option.blocks else self.region_model.extra_work(
+                spans, option.solution.policies),
+            predicted_for=self.predicted_for, blocks=option.blocks,
+            block_names=tuple(f"{self.graph.calls[i].name}/{layer.name}"
+                              for (i, _), layer in zip(option.blocks, layers)))
+
+
+_PLAIN = Solution(0.0, (), ())
+
+
+def _least_plan(planning: _Planning) -> ModelPlan:
+    """The least memory: the least region plan, or, where the model repeats a
+    block of its own, whichever of it and the blocks checkpointed one by one
+    (``apply_checkpointing(model, [Block])``) measures lower: the model's errors
+    can put its least plan there (see docs/design.md#least-plan-against-the-blocks),
+    and no region reaches the blocks inside a call."""
+    least = planning.least
+    if least.spans and planning.predict(planning.region_model.peak(
+            least.spans, policies=least.policies)) >= planning.plain_peak:
+        least = _PLAIN  # no better than plain (a model whose body is one call): plainly
+    options = [_Option(least)]
+    blocks = block_spans(planning.graph)
+    if planning.mode != "eager" and blocks and blocks != least.spans:
+        options.append(_Option(Solution(planning.region_model.peak(blocks), blocks,
+                                        (NO_POLICY,) * len(blocks))))
+    if len(options) == 1 and not planning.inner:
+        chosen, peak = options[0], None
+    else:
+        peaks = [planning.measure(option) for option in options] + planning.inner_peaks()
+        options += [_Option(_PLAIN, refs) for refs in planning.inner]
+        best = min(range(len(options)), key=lambda k: peaks[k])  # the first of equals
+        chosen, peak = options[best], peaks[best]
+    if not chosen.solution.spans and not chosen.blocks:
+        _warn_nothing_to_save(planning)
+    return planning.plan(chosen, predicted=peak)
+
+
+def _warn_nothing_to_save(planning: _Planning) -> None:
+    """Says that the least plan is the plain model, naming what the planner saw:
+    the calls that run the most layers of their own (where a user's selection
+    could still reach), or that every call is one layer."""
+    graph = planning.graph
+    holders = sorted(((len(sublayers(call.layer)), call) for call in graph.calls),
+                     key=lambda item: -item[0])
+    holders = [(n, call) for n, call in holders[:3] if n]
+    if holders:
+        seen = ", ".join(f"`{call.name}` ({type(call.layer).__name__}, {n} layers inside)"
+                         for n, call in holders)
+        where = (f"Its {len(graph.calls)} layer calls include {seen}, each run as one call, "
+                 "with no block repeated inside that the planner could checkpoint. Select "
+                 "layers inside them yourself: apply_checkpointing(model, [LayerClass]) "
+                 "checkpoints every instance of a class, at any depth")
+    else:
+        where = (f"Its {len(graph.calls)} layer calls each keep about what their inputs "
+                 "take, so a checkpoint, which keeps its inputs, saves nothing here")
+    warnings.warn(
+        f"{planning.api}: budget='min' found no plan of `{graph.model.name}` below the plain "
+        f"step's peak in {planning.mode} steps, so the model runs plainly. {where}.",
+        UserWarning, stacklevel=2)
+
+
+def _budget_plan(planning: _Planning, budget: int) -> ModelPlan:
+    """The least recomputation whose predicted peak fits ``budget``: regions
+    where they can fit it, else the blocks inside calls checkpointed one by one."""
+    if budget >= planning.plain_peak:
+        return planning.plan(_Option(_PLAIN))
+    min_budget = planning.min_budget()
+    if budget < min_budget:
         raise ValueError(
-            f"{api}: argument `budget` is below the least memory any plan of "
-            f"`{graph.model.name}` needs (its least predicted peak, plus {_HEADROOM:.0%} "
-            f"for the allocator): expected at least {plan.min_budget_bytes} bytes "
-            f"({plan.min_budget_bytes / 2**20:.2f} MiB), received budget={budget} "
+            f"{planning.api}: argument `budget` is below the least memory any plan of "
+            f"`{planning.graph.model.name}` needs (its least predicted peak, plus "
+            f"{_HEADROOM:.0%} for the allocator): expected at least {min_budget} bytes "
+            f"({min_budget / 2**20:.2f} MiB), received budget={budget} "
             f"({budget / 2**20:.2f} MiB). Raise the budget, pass budget='min', or use a "
             "smaller batch."
         )
-    else:
-        usable = budget * (1 - _HEADROOM)
-        if anchor is None:
-            # Chosen with the least plan's factor, predicted with the plan's own:
-            # the gap is a margin for the model's errors (see docs/design.md#chunk-factor).
-            found = solve(region_model, usable / chunks, nested=nested)
-        else:  # chosen on the measured curve, and measured (see _xla.plan_within)
-            def solve_for(limit: float) -> Optional[Solution]:
-                got = solve(region_model, limit, nested=nested)
-                return None if got is None else got._replace(
-                    value=region_model.peak(got.spans, policies=got.policies))
-
-            found, measured_bytes, anchor = plan_within(
-                key, anchor, usable, solve_for,
-                lambda spans, chosen: measure_plan(graph, inputs, api, runner, spans,
-                                                   policies_of(chosen)))
-        chosen = found if found is not None else least
-    spans = chosen.spans
-    return dataclasses.replace(
-        plan, pieces=pieces_of_spans(0, len(names), spans, policies_of(chosen.policies)),
-        predicted_peak_bytes=int(measured_bytes if measured_bytes is not None else predict(
-            region_model.peak(spans, policies=chosen.policies), bool(spans))),
-        predicted_extra_seconds=region_model.extra_work(spans, chosen.policies))
+    usable = budget * (1 - _HEADROOM)
+    if planning.predict(planning.least.value) <= usable:
+        found, measured = _regions_within(planning, usable)
+        return planning.plan(_Option(found if found is not None else planning.least),
+                             predicted=measured)
+    # Only blocks inside calls fit: the one that keeps the most (recomputes least).
+    fitting = [(peak, refs) for peak, refs in zip(planning.inner_peaks(), planning.inner)
+               if peak <= usable]
+    peak, refs = max(fitting)
+    return planning.plan(_Option(_PLAIN, refs), predicted=peak)
 
 
-def block_spans(graph: LayerGraph) -> tuple:
-    """Each call of the model's repeated block as a region of its own: the calls
-    of the most frequent layer class with weights that Keras does not define
-    (a transformer's decoder block), if it is called at least twice; else ().
-    What ``apply_checkpointing(model, [Block])`` runs.
+def _regions_within(planning: _Planning, usable: float) -> tuple[Optional[Solution],
+                                                                Optional[int]]:
+    """The region plan with least recomputation for ``usable`` bytes, and its
+    measured peak (XLA) or None."""
+    model = planning.region_model
+    if planning.anchor is None:
+        # Chosen with the least plan's factor, predicted with the plan's own:
+        # the gap is a margin for the model's errors (see docs/design.md#chunk-factor).
+        return solve(model, usable / planning.chunks, nested=planning.nested), None
 
-        >>> import keras
-        >>> from tf_checkpointing.planning._graph import read_graph
-        >>> from tf_checkpointing.planning._model import block_spans
-        >>> class Block(keras.layers.Dense): pass
-        >>> x = keras.Input((4,))
-        >>> model = keras.Model(x, Block(4)(keras.layers.Dense(4)(Block(4)(x))))
-        >>> block_spans(read_graph(model, "doc"))
-        ((0, 1, ()), (2, 3, ()))
-    """
-    counts = Counter(type(call.layer) for call in graph.calls
-                     if getattr(call.layer, "weights", None)
-                     and not type(call.layer).__module__.startswith("keras."))
-    if not counts:
-        return ()
-    block, n = counts.most_common(1)[0]
-    if n < 2:
-        return ()
-    return tuple((i, i + 1, ()) for i, call in enumerate(graph.calls) if type(call.layer) is block)
+    def solve_for(limit: float) -> Optional[Solution]:
+        got = solve(model, limit, nested=planning.nested)
+        return None if got is None else got._replace(
+            value=model.peak(got.spans, policies=got.policies))
+
+    # Chosen on the measured curve, and measured (see _xla.plan_within).
+    found, measured, planning.anchor = plan_within(
+        planning.key, planning.anchor, usable, solve_for,
+        lambda spans, chosen: measure_plan(planning.graph, planning.inputs, planning.api,
+                                           planning.runner, spans,
+                                           planning.policies_of(chosen)))
+    return found, measured
 
 
 def chunk_factor(model_bytes: float, plain_bytes: float, least_bytes: float,

@@ -184,6 +184,9 @@ class Plan:
                       policies=[save_policies.to_config(p) for p in self.policies])
         if "call_kinds" in config:
             config["call_kinds"] = list(config["call_kinds"])
+        if "blocks" in config:
+            config["blocks"] = [list(ref) for ref in config["blocks"]]
+            config["block_names"] = list(config["block_names"])
         return config
 
     @classmethod
@@ -195,6 +198,9 @@ class Plan:
         config["policies"] = tuple(save_policies.from_config(p) for p in config["policies"])
         if "call_kinds" in config:
             config["call_kinds"] = tuple(config["call_kinds"])
+        if "blocks" in config:
+            config["blocks"] = tuple(tuple(ref) for ref in config["blocks"])
+            config["block_names"] = tuple(config.get("block_names", ()))
         return cls(**config)
 
 
@@ -220,6 +226,12 @@ class ModelPlan(Plan):
             name) and the calls it reads: another instance of the same
             architecture, whose layers Keras numbered differently, takes the
             plan too.
+        blocks: repeated blocks inside layer calls, checkpointed one by one as
+            ``apply_checkpointing(model, [Block])`` would: each a ``(call index,
+            index among the call's layer's sublayers)`` pair (a keras_hub
+            ``ViTEncoder`` runs its ``ViTEncoderBlock`` s in a loop, where no
+            region of the graph reaches).
+        block_names: for display, ``"call/block"`` for each of ``blocks``.
 
     Example (``TF_CPU_ALLOCATOR_USE_BFC=true`` set before TensorFlow is imported):
         >>> import keras, tensorflow as tf
@@ -239,6 +251,18 @@ class ModelPlan(Plan):
     """
 
     call_kinds: tuple[str, ...] = dataclasses.field(default=(), repr=False)
+    blocks: tuple[tuple[int, int], ...] = ()
+    block_names: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        text = super().__str__()
+        if not self.blocks:
+            return text
+        head, _, rest = text.partition("\n")
+        shown = list(self.block_names[:3]) + (["..."] if len(self.block_names) > 3 else [])
+        head += (f"; {_count_of(len(self.blocks), 'block')} inside layer calls checkpointed "
+                 f"one by one ({', '.join(shown)})")
+        return head + ("\n" + rest if rest else "")
 
     @property
     def call_names(self) -> tuple[str, ...]:

@@ -52,7 +52,7 @@ from tf_checkpointing.planning._constants import XLA_ANCHOR_CACHE_SIZE as _CACHE
 from tf_checkpointing.planning._constants import XLA_BUDGET_USED as _USED
 from tf_checkpointing.planning._frozen import backprop_calls
 from tf_checkpointing.planning._graph import LayerGraph
-from tf_checkpointing.planning._graph_profile import graph_plain_peak
+from tf_checkpointing.planning._graph_profile import eager_plain_peak, graph_plain_peak
 from tf_checkpointing.planning._plan import ModelPlan, pieces_of_spans
 from tf_checkpointing.planning._region_solver import Solution
 from tf_checkpointing.planning._runner import PlanRunner
@@ -153,10 +153,12 @@ class XlaAnchor:
 
 def measure_xla_step(run: Callable[[Any], Any], inputs: Any, api: str,
                      variables: Sequence[Any] = (),
-                     trainable: Optional[Sequence[Any]] = None, jit: bool = True) -> int:
+                     trainable: Optional[Sequence[Any]] = None,
+                     jit: Optional[bool] = True) -> int:
     """Peak of ``run``'s forward and backward as one ``tf.function`` compiled
     with ``jit_compile=jit`` (each gradient consumed at once, as an optimizer in
-    the step does), run on ``inputs`` eagerly in a thread of its own; the state
+    the step does), or run eagerly (``jit=None``: the gradients held until an
+    optimizer would apply them), on ``inputs`` in a thread of its own; the state
     it writes (BatchNorm statistics, seeds) and ``variables`` are put back."""
 
     def measure() -> int:
@@ -166,6 +168,8 @@ def measure_xla_step(run: Callable[[Any], Any], inputs: Any, api: str,
         recorder = StateRecorder()
         with recorder:
             try:
+                if jit is None:
+                    return eager_plain_peak([run], x, device, trainable)
                 return graph_plain_peak([run], x, device, jit, applied=True,
                                         trainable=trainable)
             finally:
@@ -191,15 +195,23 @@ def model_anchor(key: Any, graph: Any, inputs: Any, least_spans: tuple, runner: 
 
 
 def measure_plan(graph: LayerGraph, inputs: Any, api: str, runner: PlanRunner, spans: tuple,
-                 region_policies: tuple = (), mode: str = "xla") -> int:
-    """The peak of the step (``mode``: ``"xla"`` or ``"graph"``) of ``graph``'s
-    model run (by ``runner``) by the plan of ``spans``."""
+                 region_policies: tuple = (), mode: str = "xla",
+                 blocks: tuple = ()) -> int:
+    """The peak of the step (``mode``: ``"eager"``, ``"graph"`` or ``"xla"``) of
+    ``graph``'s model run (by ``runner``) by the plan of ``spans`` and of the
+    ``blocks`` inside its calls (see ``ModelPlan.blocks``)."""
     names = tuple(call.name for call in graph.calls)
-    plan = ModelPlan(names, pieces_of_spans(0, len(names), spans, region_policies), mode=mode)
-    _progress.step(f"compiling and measuring {'XLA' if mode == 'xla' else 'graph'} steps")
+    plan = ModelPlan(names, pieces_of_spans(0, len(names), spans, region_policies), mode=mode,
+                     blocks=tuple(blocks))
+    _progress.step(_MEASURING[mode])
     return measure_xla_step(runner(plan), inputs, api,
-                            graph.model.non_trainable_variables, jit=mode == "xla",
+                            graph.model.non_trainable_variables,
+                            jit=None if mode == "eager" else mode == "xla",
                             trainable=fit_sources(graph, mode))
+
+
+_MEASURING = {"eager": "measuring eager steps", "graph": "compiling and measuring graph steps",
+              "xla": "compiling and measuring XLA steps"}
 
 
 def fit_sources(graph: LayerGraph, mode: str) -> Optional[Sequence[Any]]:
