@@ -68,7 +68,8 @@ def _plan_graph(graph: LayerGraph, inputs: Any, budget: Optional[int], *, mode: 
     blocks = block_spans(graph)
     # The least plan for an XLA step compiles no step to be made, unless the model
     # repeats a block of its own (both plans are then measured, below): it is the
-    # tf.function profile's, and so are its numbers (see docs/design.md#least-plans-under-xla).
+    # tf.function profile's, and so are its numbers (see
+    # docs/decisions/0024-least-plans-under-xla.md).
     measured = "graph" if mode == "xla" and budget is None and not blocks else mode
     profile, costs = cached_profile(graph, inputs, measured, api)
     if policies:
@@ -121,7 +122,7 @@ def _plan_graph(graph: LayerGraph, inputs: Any, budget: Optional[int], *, mode: 
         if mode != "eager" and blocks and blocks != chosen.spans:
             # Never above the selection a user would write, apply_checkpointing(model,
             # [Block]): the model's errors can put its least plan there (see
-            # docs/design.md#least-plan-against-the-blocks). Both are measured.
+            # docs/decisions/0021-least-plan-against-the-blocks.md). Both are measured.
             ours = measure_plan(graph, inputs, api, runner, chosen.spans,
                                 policies_of(chosen.policies), mode=mode)
             theirs = measure_plan(graph, inputs, api, runner, blocks, mode=mode)
@@ -143,7 +144,7 @@ def _plan_graph(graph: LayerGraph, inputs: Any, budget: Optional[int], *, mode: 
         usable = budget * (1 - _HEADROOM)
         if anchor is None:
             # Chosen with the least plan's factor, predicted with the plan's own:
-            # the gap is a margin for the model's errors (see docs/design.md#chunk-factor).
+            # the gap is a margin for the model's errors (see docs/decisions/0019-chunk-factor.md).
             found = solve(region_model, usable / chunks, nested=nested)
         else:  # chosen on the measured curve, and measured (see _xla.plan_within)
             def solve_for(limit: float) -> Optional[Solution]:
@@ -198,7 +199,7 @@ def chunk_factor(model_bytes: float, plain_bytes: float, least_bytes: float,
     profile was calibrated on. The predicted peak; plans are chosen with
     ``chunks`` itself (a margin). Falling, because a fixed factor counted the
     chunks of a plan that runs most of the model plainly twice (see
-    docs/design.md#chunk-factor).
+    docs/decisions/0019-chunk-factor.md).
 
         >>> from tf_checkpointing.planning._model import chunk_factor
         >>> chunk_factor(60.0, plain_bytes=100.0, least_bytes=20.0, chunks=1.1)
@@ -214,7 +215,7 @@ def with_reductions(policies: tuple[Any, ...]) -> tuple[Any, ...]:
     """``policies`` with ``policies.reductions_saveable`` first: a region may
     always keep its reductions' results (a BatchNorm's batch moments, a
     LayerNorm's), which cost almost no memory and spare the replay the passes
-    that made them (see docs/design.md#save-policies-per-region)."""
+    that made them (see docs/decisions/0022-reductions-saveable-per-region.md)."""
     return (reductions_saveable,) + tuple(p for p in policies if p is not reductions_saveable)
 
 
