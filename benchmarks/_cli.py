@@ -26,8 +26,8 @@ os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # no INFO/WARNING/ERROR C++ logs
 # TensorFlow 2.21 on Linux turns oneDNN on by default only on CPUs with AVX-512 VNNI/BF16,
 # AVX-VNNI or AMX, and oneDNN's convolution and BatchNorm kernels use far less memory than
-# Eigen's (the U-Net's peaks: docs/benchmarks.md, Environment). Pinned, so peaks do not
-# depend on the host's CPU; the committed results were measured with oneDNN on.
+# Eigen's (the U-Net's peaks: benchmarks/results/notes/main-job.md#environment). Pinned, so
+# peaks do not depend on the host's CPU; the committed results were measured with oneDNN on.
 # TF_ENABLE_ONEDNN_OPTS=0 turns it off.
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 

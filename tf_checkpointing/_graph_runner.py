@@ -269,7 +269,7 @@ def _filters_wait_under_xla(pieces: tuple[Segment, ...],
     (``core._ordering.filters_after_gradient``); a region that saves everything
     replays nothing (its forward's values are the ones kept) but its backward
     reads the filters as a replay does. What the step keeps is plain's; ResNet50's
-    least plan under XLA needed 17 MiB less (docs/design.md#filters-that-wait)."""
+    least plan under XLA needed 17 MiB less (docs/decisions/0004-filters-that-wait.md)."""
     if not any(piece.checkpointed for piece in pieces) or not in_xla_context():
         return pieces
     return tuple(
@@ -291,9 +291,9 @@ def _writes_kept_out(*, replay: bool, flat: bool) -> Any:
     write must run, so the replay and every later layer's backward that feeds its
     output gradients ran even when the step's gradient needs none of them (one
     with respect to the model's output held several times plain's memory; see
-    docs/design.md#replay-writes). Kept in a stateless scope, the writes are
-    values the rest of the replay reads, as the forward read them, and the
-    executor prunes a replay nothing asks for. Only for a flat region: a replay
+    docs/decisions/0006-replay-writes-in-a-stateless-scope.md). Kept in a stateless
+    scope, the writes are values the rest of the replay reads, as the forward read
+    them, and the executor prunes a replay nothing asks for. Only for a flat region: a replay
     that runs checkpointed calls (a nested region, a ``checkpointable`` layer)
     keeps real writes, which those calls' own replays may read later."""
     if not (replay and flat):

@@ -7,7 +7,7 @@ its input, a BatchNorm its input, a ReLU its output), so checkpointing single
 layers saves at best the few bytes their backward kept on top, and where the
 layer's backward kept *less* than its input (a ReLU keeps its output, an Add
 nothing), checkpointing it adds a tensor, and the step peaks above plain (see
-docs/design.md#per-layer-selections). The graph says which tensors each layer's
+docs/decisions/0032-per-layer-selection-warning.md). The graph says which tensors each layer's
 backward keeps, so the cost is predicted from shapes alone, before anything runs.
 """
 
@@ -81,7 +81,7 @@ def plan_model(model: Any, inputs: Any, *, budget: Union[int, float, str], mode:
     offered: it keeps the results of reductions (a BatchNorm's batch mean and
     variance, a LayerNorm's), which cost almost no memory, and spares the
     replay the passes over the input that made them (measured in
-    docs/save-policies.md and docs/design.md#save-policies-per-region).
+    docs/save-policies.md and docs/decisions/0022-reductions-saveable-per-region.md).
     ``policies`` offers more. Each distinct layer call that a policy keeps
     something of is measured under each policy (bytes kept, and its training
     step timed as the chain planner times its layers), and the program picks
@@ -193,7 +193,7 @@ def checkpoint_whole_model(model: Any, *, budget: Any = None,
 def warn_if_costly(model: Any, chosen: list[Any]) -> None:
     """Warns when checkpointing ``chosen`` layers one by one is predicted to keep
     (nearly) as many activation bytes as the plain model does: it then saves no
-    memory and costs time (see docs/design.md#per-layer-selections)."""
+    memory and costs time (see docs/decisions/0032-per-layer-selection-warning.md)."""
     if functional_of(model) is None or not all(_rule(layer) for layer in chosen):
         return  # no graph, or a layer whose backward we cannot predict: no warning
     graph = read_graph(model, _API)

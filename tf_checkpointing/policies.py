@@ -135,7 +135,7 @@ def dots_saveable(out: OpOutput) -> bool:
     more than its softmax, nearly as much as its dense products), so replaying
     it took about a third of this policy's replay time, while a mask costs a
     quarter of a float activation of the same shape (measured in
-    docs/save-policies.md). JAX's exact choice:
+    benchmarks/results/notes/save-policies.md). JAX's exact choice:
     ``lambda out: dots_saveable(out) and not out.random``."""
     return out.op_type in DOT_OPS or out.op_type in CONV_OPS or out.random
 
@@ -152,7 +152,7 @@ def reductions_saveable(out: OpOutput) -> bool:
     plain model's, as with a full replay (within float32 rounding, under
     ``tf.function`` and XLA). On a model with many BatchNorms it makes the
     step measurably faster at the same peak (``docs/save-policies.md``;
-    ``docs/design.md#save-policies-per-region``).
+    ``docs/decisions/0022-reductions-saveable-per-region.md``).
 
     Example:
         >>> import tensorflow as tf

@@ -39,7 +39,7 @@ from benchmarks import _cli  # noqa: E402 - TensorFlow's environment, before it 
 from benchmarks.report import MIB, cell, table  # noqa: E402
 
 # Input size, batch and where the network is cut short (None: the whole network): the
-# committed run's (docs/chains.md), and toy ones for the tests.
+# measured run's (benchmarks/results/notes/chains.md), and toy ones for the tests.
 SHAPES = {"full": dict(size=128, batch=16, stop=None),
           "tiny": dict(size=32, batch=2, stop="block1a_project_bn")}
 

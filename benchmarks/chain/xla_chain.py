@@ -73,7 +73,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tiny", action="store_true", help="toy shapes (seconds)")
     size = SIZES["tiny" if parser.parse_args(argv).tiny else "full"]
     # Before any step: a step run first opens a BFC region that is then counted whole (the
-    # checkpointed chain read 262 MiB instead of 142 on TF 2.16; docs/measuring-memory.md).
+    # checkpointed chain read 262 MiB instead of 142 on TF 2.16;
+    # docs/measuring-memory.md#cpu-xla-steps-and-the-allocators-regions).
     grow_cpu_pool()
     keras.utils.set_random_seed(0)
     plain = chain(size["layers"], size["width"], checkpointed=False)

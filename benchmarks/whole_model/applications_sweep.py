@@ -214,8 +214,8 @@ def report(rows: list[dict]) -> str:
                  f"plan trained with `fit` (SGD) in a fresh process, "
                  f"{len(first['fit']['plain']['peaks_mib'])} steps after the planning one")
     return ("# Adoption sweep: keras.applications models\n\n"
-            f"weights=None, {shape}; peak = median step, largest = highest. See "
-            "docs/whole-model.md, \"Beyond the benchmark's models\".\n\n" + markdown_table(rows))
+            f"weights=None, {shape}; peak = median step, largest = highest. What it "
+            "shows: notes/applications-sweep.md.\n\n" + markdown_table(rows))
 
 
 def _run(*arguments: str) -> dict:

@@ -145,7 +145,7 @@ def _at_most_the_blocks(model: str, xla: bool, least: dict,
     """The target that ``budget="min"`` is never above the per-block selection.
     When the planner chose the blocks' own regions, both rows ran one plan, each in
     a process of its own, and their peaks differ only by the executor's op order
-    between processes (docs/design.md#least-plan-against-the-blocks): the
+    between processes (docs/decisions/0021-least-plan-against-the-blocks.md): the
     target holds by construction and says so."""
     where = f"{model}{' XLA' if xla else ''}: budget='min' <= per-block selection"
     peaks = f"{least['peak_mib']:.1f} vs {hand['peak_mib']:.1f} MiB"

@@ -3,7 +3,7 @@
 A dropout layer draws uniform numbers and compares them with its rate; the
 resulting mask is all the rest of the call reads. A save policy that keeps the
 mask (``policies.random_saveable``, part of ``dots_saveable``) spares the replay
-the draw, which is slow on CPU (measured in docs/save-policies.md). ``_save_policies``
+the draw, which is slow on CPU (benchmarks/results/notes/save-policies.md). ``_save_policies``
 asks the policy about these results only where the rest of the call reads them
 (``OpOutput.random``).
 """

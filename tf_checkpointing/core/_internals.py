@@ -4,7 +4,7 @@ What a replay must see again as the forward saw it (the tape, op callbacks,
 Keras' call context and seed state, the layer graph of a functional model) is
 not in TensorFlow's or Keras' public API. The names below are, each with the
 module that needs it. When a TensorFlow or Keras release moves one, this is the
-file to change (see ``docs/design.md#private-tensorflow-and-keras-apis``).
+file to change (see ``docs/decisions/0033-private-apis-in-one-module.md``).
 """
 
 from __future__ import annotations

@@ -248,7 +248,7 @@ def grow_cpu_pool(device: str = "CPU:0") -> None:
     ``bfc_allocator.cc``). On CPU its pool grows by regions of doubling size,
     so a request that opens a new region is counted as the whole region: an
     XLA step, which allocates all its temporaries as one buffer, then "peaks"
-    at a power of two (see docs/design.md#the-cpu-pool). On a GPU the pool is
+    at a power of two (see docs/decisions/0026-cpu-pool.md). On a GPU the pool is
     one large region from the start and the requests are cut from it; this
     makes the CPU pool alike. The region is allocated uninitialised, so no page of it
     is touched; it stays reserved for the process (the BFC allocator never

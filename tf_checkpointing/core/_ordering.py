@@ -127,7 +127,7 @@ def fresh_copies(inputs: list[tf.Tensor], output_grads: Sequence[Any]) -> list[t
     outputs (an encoder block returns its skip and its pooled output) gets the
     skip's gradient long before the pooled one, and a replay waiting only for
     the first ran during the backward of every later region, holding its
-    activations on top of theirs (see docs/design.md#replay-ordering)."""
+    activations on top of theirs (see docs/decisions/0002-replay-ordering.md)."""
     if tf.executing_eagerly():
         return [tf.identity(x) for x in inputs]
     grads = _incoming(output_grads)
@@ -147,7 +147,7 @@ def after_gradient(leaves: Sequence[Any], positions: Sequence[int],
     for the others: else the ops of a replay that read only them (a region whose
     inputs are all integer, as a model's embedding and first block) could run
     as soon as the backward starts, holding their activations while the later
-    calls' backward runs (see docs/design.md#replay-ordering)."""
+    calls' backward runs (see docs/decisions/0002-replay-ordering.md)."""
     grads = _incoming(output_grads)
     if tf.executing_eagerly() or not grads:
         return None
@@ -187,7 +187,7 @@ def filters_after_gradient(output_grads: Sequence[Any]) -> Iterator[None]:
     less are left alone. Only reads built in the replay's own graph, not in a
     loop body or branch (functions of their own). In eager mode and in graphs
     XLA does not compile, filters are not copied and nothing is done. (See
-    docs/design.md#filters-that-wait.)"""
+    docs/decisions/0004-filters-that-wait.md.)"""
     grads = _incoming(output_grads)
     graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
     if not grads or graph is None or not control_flow_util.GraphOrParentsInXlaContext(graph):
@@ -244,7 +244,7 @@ def weight_gradients_first(graph: Any, first_op: int, incoming: Any = (),
     is freed before ``dx`` is made. Left to the executor, the replay's peak
     moved from step to step by the size of such a layer's tensors (a
     convolution reading a concatenation, whose gradient the concatenation's
-    gradient then slices into copies; see docs/design.md#replay-ordering).
+    gradient then slices into copies; see docs/decisions/0002-replay-ordering.md).
 
     ``incoming`` are the replay's output gradients, made before the backward: a
     gradient too (the region's last convolution reads one, and a region ending

@@ -10,7 +10,7 @@ benchmark U-Net's 34 MiB least plan, 68-85 MiB of ResNet50's). While a replay's
 backward is built under XLA, each max-pool gradient is therefore computed here
 instead, from slices of the pool's input and output that exist only once the
 replay runs (:func:`max_pool_gradients_from_windows`; see
-docs/design.md#max-pool-gradients-under-xla).
+docs/decisions/0005-max-pool-gradients-under-xla.md).
 
 The gradient goes, in every window, to the first element (in row-major window
 order) equal to the window's maximum, the one TensorFlow's CPU kernel for 2-D

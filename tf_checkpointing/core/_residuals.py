@@ -316,7 +316,7 @@ def held_bytes(fn: Callable[..., Any], *args: Any, device: Optional[str] = None,
 
     The least: forward ops that the reading does not wait for may still be
     running, with their temporaries, when it is taken, more so on a loaded
-    machine (see docs/design.md#held-bytes)."""
+    machine (see docs/decisions/0029-held-bytes.md)."""
 
     device = device or default_memory_device()
     readings: list[int] = []

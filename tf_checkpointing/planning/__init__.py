@@ -15,7 +15,7 @@ lifetimes of :mod:`._lifetimes`), :mod:`._region_solver` (program) and
 :mod:`._model` plan checkpointed regions of it; :mod:`._xla` anchors plans for
 XLA steps on measured ones. :mod:`._budget` and :mod:`._modes` validate the
 ``budget`` and ``mode`` every planning API takes. :mod:`._constants` holds the
-planners' tuning constants, each with its reason (see ``docs/design.md``).
+planners' tuning constants, each with its reason (see ``docs/design.md#planner-constants``).
 """
 
 from tf_checkpointing.planning._cache import clear_caches

@@ -77,8 +77,9 @@ def cached_plan(layers: list[Any], inputs: Any, budget: Budget, kwargs: dict[str
         # The plain step differentiates what a compiled step would: the trainable
         # variables, not the input (and so nothing of a frozen prefix).
         trainable = None if not frozen else _variables(layers[frozen:])
-        # Identical layers on equal shapes (a transformer's blocks) share one
-        # graph profile, which cuts planning time (see docs/design.md#chain-planner).
+        # Identical layers on equal shapes (a transformer's blocks) share one graph
+        # profile, which cuts planning time (see
+        # docs/decisions/0012-identical-layers-share-a-profile.md).
         with nothing_left(), _progress.planning(api, f"a chain of {len(layers)} layers"):
             profile = profile_chain(calls, inputs, names=names, api=api, compiled=compiled,
                                     xla=xla, layer_keys=[layer_key(layer, kw) for layer, kw

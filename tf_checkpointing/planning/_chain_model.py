@@ -5,7 +5,7 @@ backprop's, or a ``tf.function``'s (a graph keeps fewer intermediates),
 including what our replay holds on top (the incoming gradient, the weight
 gradients of later layers, and in eager mode the forward's output, which the
 custom gradient's tape entry holds); its accuracy is in
-docs/design.md#chain-model-accuracy. Under XLA the graph profile is scaled to
+docs/decisions/0007-rotor-for-chains.md. Under XLA the graph profile is scaled to
 the measured XLA plain step.
 
 With save policies (:mod:`._choices`), a layer may also run as a checkpointed
@@ -115,7 +115,7 @@ def fitted_chain(profile: ChainProfile, choices: Optional[PolicyChoices] = None)
     plan covers the difference. For XLA it is (up to 3x): XLA assigns buffers
     its own way, and its plain step peaks above what the per-layer graphs add
     up to, so a plan from the graph's numbers overshot its budget (see
-    docs/design.md#chain-model-scale).
+    docs/decisions/0008-chain-model-scale.md).
     """
     chain = Chain(profile, choices=choices)
     if not profile.compiled:

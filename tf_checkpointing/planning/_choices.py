@@ -14,7 +14,7 @@ The step's loss is the sum of the squared outputs, so the incoming gradient is
 computed from the forward. With ``reduce_sum(y)`` (a constant gradient of ones)
 the replay does not wait for the forward and runs beside it on a second core,
 so a full replay looked free where a chain pays for it (see
-docs/design.md#policy-timing).
+docs/decisions/0011-policy-timing.md).
 
 Layers of the same class, configuration, weight shapes and input are measured
 once (a transformer's identical blocks: one measurement, more rounds for less
@@ -160,7 +160,7 @@ def measure_calls(calls: Sequence[Callable[[Any], Any]], inputs: Sequence[Any],
     three timed members nearest its input size, and its family's median replay
     time (the ratio is what the model planner reads): a few-millisecond step's
     ratio varies more between neighbours than along the family
-    (docs/design.md#policy-timing)."""
+    (docs/decisions/0011-policy-timing.md)."""
     listed = {i: _kept_by_policies(calls[i], inputs[i], policies, time_all)
               for i, j in enumerate(same_as) if j == i}
     to_time = [i for i, got in listed.items() if got is not None and (time_all or got[2].any())]

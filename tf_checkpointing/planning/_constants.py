@@ -1,9 +1,10 @@
 """The planners' tuning constants, each with the reason for its value.
 
 A leaf module: it imports nothing from the package, so any module may import it.
-The measurements behind the values are in ``docs/design.md`` (each constant names
-its section; the table there is under ``#planner-constants``). The modules that use
-a constant import it under their former private name (``_HEADROOM``, ``_CHUNKS``...).
+The measurements behind the values are in the decision records,
+``docs/decisions/`` (each constant names its record; ``docs/design.md`` lists them
+under ``#planner-constants``). The modules that use a constant import it under its
+former private name (``_HEADROOM``, ``_CHUNKS``...).
 """
 
 from __future__ import annotations
@@ -13,14 +14,14 @@ __all__: list[str] = []
 # Budgets -------------------------------------------------------------------------
 
 # Share of a budget every plan keeps free: a fragmented allocator hands out blocks
-# up to twice a tensor's size, which no per-layer profile sees (design.md#headroom).
+# up to twice a tensor's size, which no per-layer profile sees (docs/decisions/0009-headroom.md).
 HEADROOM = 0.10
 # A tf.function plan's allocator chunks over its tensors, at the least plan: the
-# middle of the range measured on checkpointed plans (design.md#chunk-factor).
+# middle of the range measured on checkpointed plans (docs/decisions/0019-chunk-factor.md).
 CHUNKS = 1.10
 # An XLA budget plan that measured below this share of its usable budget is chosen
 # again on the curve through its measurement: one that keeps more recomputes less
-# (design.md#xla-plans).
+# (docs/decisions/0023-xla-plans.md).
 XLA_BUDGET_USED = 0.85
 # A budget below this many bytes is a unit slip (MiB, GiB): no training step fits.
 LEAST_BYTES = 1024
@@ -28,9 +29,9 @@ LEAST_BYTES = 1024
 # The whole-model region program (_region_solver) ---------------------------------
 
 # Memory units of the region program: fine against HEADROOM, and fast enough for a
-# model of a few hundred calls (design.md#region-program).
+# model of a few hundred calls (docs/decisions/0015-region-program.md).
 REGION_UNITS = 400
-# Regions offered with sub-regions inside their replay (design.md#nesting): at most
+# Regions offered with sub-regions inside their replay (docs/decisions/0016-nesting.md): at most
 # this many calls (bounds the inner programs' time),
 NESTED_MAX_LEN = 24
 # counted in this many units (coarse: one inner program runs per start),
@@ -48,7 +49,7 @@ ROTOR_MAX_UNITS = 1000
 # at least 50 for a long chain (2% each),
 ROTOR_MIN_UNITS = 50
 # and about this many (start, stop, units) cells in the tables: bounded memory and
-# time for any chain length (design.md#rotor-discretisation).
+# time for any chain length (docs/decisions/0010-rotor-discretisation.md).
 ROTOR_TABLE_CELLS = 3e7
 
 # Caches (a profile runs the model, so it is kept and reused) ---------------------
@@ -57,10 +58,10 @@ ROTOR_TABLE_CELLS = 3e7
 CHAIN_CACHE_SIZE = 16
 # The last 4 models (with input shapes and mode): profiles and policy measurements.
 MODEL_CACHE_SIZE = 4
-# One XLA anchor per model profile kept (design.md#xla-plans).
+# One XLA anchor per model profile kept (docs/decisions/0023-xla-plans.md).
 XLA_ANCHOR_CACHE_SIZE = MODEL_CACHE_SIZE
 
-# Repeated readings (the executor's order varies, design.md#graph-profile-readings) --
+# Repeated readings (the executor's order varies, docs/decisions/0027-graph-profile-readings.md) --
 
 # Runs of each layer's graph; the profile keeps the median readings.
 GRAPH_RUNS = 5
@@ -69,21 +70,21 @@ PLAIN_STEPS = 3
 # Warm runs of a layer's forward; its time is the least of them.
 TIMED_RUNS = 3
 # Timing rounds per distinct call under each policy in a model's graph, more for a
-# call standing for several, up to POLICY_MAX_ROUNDS (design.md#policy-timing).
+# call standing for several, up to POLICY_MAX_ROUNDS (docs/decisions/0011-policy-timing.md).
 POLICY_REPEATS = 3
 POLICY_MAX_ROUNDS = 8
 # Calls of one family (same class and configuration, other shapes) timed under the
 # policies, spread over their sizes; the others take their neighbours' ratios
-# (design.md#policy-timing).
+# (docs/decisions/0011-policy-timing.md).
 POLICY_FAMILY_SAMPLES = 8
 # A call whose policies keep, in its forward, at most this share of its inputs' bytes
 # (a normalization's moments) is given those bytes, an upper bound, instead of
-# their listing by saved_residuals (design.md#policy-timing).
+# their listing by saved_residuals (docs/decisions/0011-policy-timing.md).
 POLICY_SMALL_KEPT = 1 / 16
 
 # Warnings ------------------------------------------------------------------------
 
 # apply_checkpointing(select=...) warns when the selection is predicted to keep at
 # least this share of plain's activations: it saves no memory and costs time
-# (design.md#per-layer-selections).
+# (docs/decisions/0032-per-layer-selection-warning.md).
 COSTLY_SELECTION_RATIO = 0.97

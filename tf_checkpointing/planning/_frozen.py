@@ -17,7 +17,7 @@ not depend on the plan), so it describes such a call as backprop would run
 it. :func:`without_backward` corrects that: without it a frozen backbone was
 modelled at several times its measured plain peak, and the planner
 checkpointed it and refused budgets plain would have met (see
-docs/design.md#frozen-layers).
+docs/decisions/0030-frozen-layers.md).
 
 The model's inputs are taken as not differentiated: a custom step that
 watches them (``tape.watch(x)``) and asks for their gradient runs the frozen
@@ -28,7 +28,7 @@ with one path: :func:`frozen_prefix` is the number of leading layers no
 gradient reaches, when no tape differentiates the chain's input (read from the
 tapes at the call), and :func:`chain_without_backward` gives them their real
 costs; without it the chain planner overestimated plain and its least plan
-replayed the frozen layers too (see docs/design.md#frozen-layers).
+replayed the frozen layers too (see docs/decisions/0030-frozen-layers.md).
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def warn_eager_frozen(graph: LayerGraph, api: str) -> None:
     """Warns that an eager plan of a model with frozen layers may keep more than
     predicted: the eager tape holds what the frozen calls made until the whole
     backward ends, which the model does not describe: such a plan can measure
-    about twice its prediction (see docs/design.md#frozen-layers)."""
+    about twice its prediction (see docs/decisions/0030-frozen-layers.md)."""
     # Frozen: weights, and trainable=False (a Normalization layer's weights are not
     # trainable to TensorFlow either, so the tape never watches them).
     frozen = [call.name for call in graph.calls

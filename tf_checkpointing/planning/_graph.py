@@ -234,7 +234,7 @@ def _expandable(node: Any, inner: Any, fed: list[Entering]) -> bool:
     is Keras' own, and whose input conversions are exact when done by each
     reader (:func:`._nested_inputs.converted_alike`; ``fed``: what reaches each
     input). A backbone called either way was one call: no region inside it,
-    and a least plan barely below plain (see docs/design.md#nested-models)."""
+    and a least plan barely below plain (see docs/decisions/0020-nested-models.md)."""
     args = node.arguments.args
     kwargs = _given(node)
     if len(args) != 1 or set(kwargs) - {"training"} or not isinstance(

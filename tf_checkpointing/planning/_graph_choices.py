@@ -47,7 +47,7 @@ __all__: list[str] = []
 
 # _REPEATS: timing rounds per distinct call, more for repeated ones (up to
 # _MAX_ROUNDS): fewer than the chain planner's, whose rounds made a large model's
-# planning slow (see docs/design.md#policy-timing).
+# planning slow (see docs/decisions/0011-policy-timing.md).
 
 
 def graph_choices(graph: LayerGraph, inputs: Any, policies: tuple[Any, ...],

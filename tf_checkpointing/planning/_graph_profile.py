@@ -88,7 +88,7 @@ def graph_profile(calls, x, device, names, same_as, applied=False,
     grad_sizes.append(y_grad_bytes)
     # Last: its updates, and putting the weights back, change the pool the
     # per-call readings are taken in, which moved the readings after it from
-    # run to run (see docs/design.md#graph-profile-readings).
+    # run to run (see docs/decisions/0027-graph-profile-readings.md).
     _progress.stage("compiling and measuring the plain XLA step" if xla
                     else "measuring the plain step")
     plain_peak = graph_plain_peak(calls, inputs, device, xla, applied, trainable)
@@ -104,7 +104,7 @@ def _graph_layer(call, x, y, device, name) -> tuple[LayerProfile, int, int]:
     ``y`` is ``call(x)``, held during the readings as a chain holds it.
 
     The executor runs independent ops in any order, so what is held varies
-    from run to run (see docs/design.md#graph-profile-readings); the profile
+    from run to run (see docs/decisions/0027-graph-profile-readings.md); the profile
     keeps the median of a few runs.
     """
     allocator = Allocator(device)
@@ -190,14 +190,14 @@ def graph_plain_peak(calls, x, device, jit_compile: bool = False,
     weight, a copy of the weight (a variable's buffer still read is copied on
     write). A step whose gradients were only summed read below ``Model.fit``'s
     step, and a plan calibrated to it overran its budget (see
-    docs/design.md#plain-step-with-an-update).
+    docs/decisions/0028-plain-step-with-an-update.md).
 
     An XLA step (``jit_compile``) is measured as a training step too: the
     gradient of a loss (half the outputs' sum of squares) and the update. XLA
     schedules the whole step as one program, and both move its buffer: with
     gradients only summed it read below a step with Keras' SGD, with an output
     gradient of ones above it; with both, the same bytes as Keras' SGD step
-    (see docs/design.md#xla-plans)."""
+    (see docs/decisions/0023-xla-plans.md)."""
     updated: list[tf.Variable] = []  # filled when traced: the variables the step updates
 
     def chain(x: Any) -> list[Any]:
@@ -235,7 +235,7 @@ def graph_plain_peak(calls, x, device, jit_compile: bool = False,
             return max(0, allocator.peak_since_mark() - start)  # that step's chunks
         # The median of a few steps: which updates overlap which backward ops is
         # the executor's choice, and moves a step's peak (see
-        # docs/design.md#graph-profile-readings).
+        # docs/decisions/0027-graph-profile-readings.md).
         peaks: list[int] = []
         while len(peaks) < _PLAIN_STEPS and not median_settled(peaks, _PLAIN_STEPS):
             start = allocator.mark()
@@ -288,7 +288,7 @@ def _backprop(tape: tf.GradientTape, x: Any, y: Any,
     XLA compiles a constant output gradient into the backward and schedules the
     step otherwise than for a loss's gradient, which depends on the outputs:
     with ones a plan's step needed a larger buffer than with the outputs, as
-    with a mean-square loss and Keras' SGD (see docs/design.md#xla-plans)."""
+    with a mean-square loss and Keras' SGD (see docs/decisions/0023-xla-plans.md)."""
     leaves = [t for t in tf.nest.flatten(x) if is_differentiable(t)]
     outputs = [t for t in tf.nest.flatten(y) if is_differentiable(t)]
     watched = list(tape.watched_variables())

@@ -79,7 +79,7 @@ class ChainProfile:
             layer's forward and backward profiled as one graph.
         xla: measured for a ``jit_compile=True`` step: ``plain_peak_bytes`` is
             the XLA-compiled plain step's (XLA assigns buffers its own way, its
-            plain step peaking above the graph's, see docs/design.md#xla-plans; the
+            plain step peaking above the graph's, see docs/decisions/0023-xla-plans.md; the
             per-layer graphs, read with a ``py_function`` XLA cannot compile, are
             scaled to it).
         xla_anchor: for ``xla``, the least-memory plan's XLA step measured too

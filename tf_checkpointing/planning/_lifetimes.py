@@ -13,7 +13,7 @@ TensorFlow profiler's allocation events): a model that counted every output a
 replay makes (BatchNorm and ``Add`` outputs, which no backward reads and the
 executor frees at once) and both a region's inputs and their copies predicted
 plans far above the peak of their tensors; one that missed parallel branches'
-backward passes running at once, below it (see docs/design.md#memory-model).
+backward passes running at once, below it (see docs/decisions/0018-memory-model.md).
 """
 
 from __future__ import annotations
@@ -179,7 +179,7 @@ def concurrent_backward(costs: GraphCosts) -> np.ndarray:
     the same time: the executor runs whatever is ready, and both branches'
     output gradients arrive together from the ``Add``. Traced inside a replay,
     both branches' BatchNorm backward temporaries were alive at once, a peak the
-    one-call-at-a-time sum missed (see docs/design.md#memory-model).
+    one-call-at-a-time sum missed (see docs/decisions/0018-memory-model.md).
     """
     n = costs.n
     successors: list[set[int]] = [set() for _ in range(n)]

@@ -114,7 +114,8 @@ class _Planning:
         inner = inner_block_choices(graph)
         # The least plan for an XLA step compiles no step to be made, unless the model
         # repeats a block of its own (the candidates are then measured): it is the
-        # tf.function profile's, and so are its numbers (see docs/design.md#least-plans-under-xla).
+        # tf.function profile's, and so are its numbers (see
+        # docs/decisions/0024-least-plans-under-xla.md).
         measured = ("graph" if mode == "xla" and budget is None and not block_spans(graph)
                     and not inner else mode)
         profile, costs = cached_profile(graph, inputs, measured, api)
@@ -200,7 +201,7 @@ def _least_plan(planning: _Planning) -> ModelPlan:
     """The least memory: the least region plan, or, where the model repeats a
     block of its own, whichever of it and the blocks checkpointed one by one
     (``apply_checkpointing(model, [Block])``) measures lower: the model's errors
-    can put its least plan there (see docs/design.md#least-plan-against-the-blocks),
+    can put its least plan there (see docs/decisions/0021-least-plan-against-the-blocks.md),
     and no region reaches the blocks inside a call."""
     least = planning.least
     if least.spans and planning.predict(planning.region_model.peak(
@@ -281,7 +282,7 @@ def _regions_within(planning: _Planning, usable: float) -> tuple[Optional[Soluti
     model = planning.region_model
     if planning.anchor is None:
         # Chosen with the least plan's factor, predicted with the plan's own:
-        # the gap is a margin for the model's errors (see docs/design.md#chunk-factor).
+        # the gap is a margin for the model's errors (see docs/decisions/0019-chunk-factor.md).
         return solve(model, usable / planning.chunks, nested=planning.nested), None
 
     def solve_for(limit: float) -> Optional[Solution]:
@@ -306,7 +307,7 @@ def chunk_factor(model_bytes: float, plain_bytes: float, least_bytes: float,
     profile was calibrated on. The predicted peak; plans are chosen with
     ``chunks`` itself (a margin). Falling, because a fixed factor counted the
     chunks of a plan that runs most of the model plainly twice (see
-    docs/design.md#chunk-factor).
+    docs/decisions/0019-chunk-factor.md).
 
         >>> from tf_checkpointing.planning._model import chunk_factor
         >>> chunk_factor(60.0, plain_bytes=100.0, least_bytes=20.0, chunks=1.1)
@@ -322,7 +323,7 @@ def with_reductions(policies: tuple[Any, ...]) -> tuple[Any, ...]:
     """``policies`` with ``policies.reductions_saveable`` first: a region may
     always keep its reductions' results (a BatchNorm's batch moments, a
     LayerNorm's), which cost almost no memory and spare the replay the passes
-    that made them (see docs/design.md#save-policies-per-region)."""
+    that made them (see docs/decisions/0022-reductions-saveable-per-region.md)."""
     return (reductions_saveable,) + tuple(p for p in policies if p is not reductions_saveable)
 
 

@@ -144,7 +144,7 @@ def _profile(graph: LayerGraph, inputs: Any, *, mode: str,
     # then copies the weight (a variable's buffer still read is copied on write),
     # one more weight beside its gradient, which the profile (gradients returned,
     # not applied) does not see; a large kernel copied so can make a least plan's
-    # peak (see docs/design.md#memory-model).
+    # peak (see docs/decisions/0018-memory-model.md).
     update = np.array([p.weight_grad_bytes if mode == "graph" else 0 for p in layers], float)
     costs = GraphCosts(
         kept=np.array([p.kept_bytes for p in layers], float),
@@ -176,7 +176,7 @@ def _shared_gradients(graph: LayerGraph, sizes: dict) -> np.ndarray:
     same-shaped inputs have one gradient between them (``tf.add``'s gradient
     passes the output's to each input, the same tensor). At the cut before a
     residual block's ``Add`` the branch's output and the shortcut have one
-    gradient, not two (traced; see docs/design.md#memory-model)."""
+    gradient, not two (traced; see docs/decisions/0018-memory-model.md)."""
     n = len(graph.calls)
     made, readers = graph.producers(), graph.consumers()
     outputs = set(graph.output_keys)

@@ -33,7 +33,7 @@ from tf_checkpointing.planning._regions import RegionModel
 
 __all__ = ["NO_POLICY", "Solution", "nested_options", "solve"]
 
-# _UNITS: the program's memory units (see docs/design.md#region-program).
+# _UNITS: the program's memory units (see docs/decisions/0015-region-program.md).
 
 
 Span = tuple  # (start, stop, inner spans): a checkpointed region, nested checkpoints inside
@@ -276,7 +276,7 @@ def nested_options(model: RegionModel, max_len: int = NESTED_MAX_LEN,
     its replay when the replay checkpoints regions of its own (one level), as
     ``(need, extra work, inner spans)``; only where that is clearly below the flat
     need. Regions too short to hold a sub-region worth nesting are skipped, and a
-    gain within the model's error is not offered (see docs/design.md#nesting)."""
+    gain within the model's error is not offered (see docs/decisions/0016-nesting.md)."""
     options: dict = {}
     replay = model.in_replay()  # the sub-regions' plain calls run inside the replay
     unit = max(float(np.nanmax(np.where(np.isfinite(model.bwd_region), model.bwd_region, 0))),

@@ -14,7 +14,7 @@ of consecutive calls in a topological order, each either plain or
 checkpointed, and for that family the optimum is found exactly by a dynamic
 program over cut positions, in ``O(n^2 U)`` vector steps for ``n`` calls and
 ``U`` memory units (well under a second of NumPy for a few hundred calls; see
-docs/design.md#choice-of-algorithm):
+docs/decisions/0014-regions-by-dynamic-program.md):
 
 ``best[c'][h']`` is the least recomputation to run calls ``[0, c')`` with
 ``h'`` bytes (in units) held for the backward, reached from ``best[c][h]`` by
@@ -35,7 +35,7 @@ A region's replay starts as soon as the gradient of its outputs arrives, and in
 a graph that is before the plain call run right after it has finished its
 backward: the executor computes that call's input gradient first and its weight
 gradients later, so the tensors it keeps are still held while the region
-replays (see docs/design.md#region-program). So a region followed by a plain
+replays (see docs/decisions/0015-region-program.md). So a region followed by a plain
 call is one step of the program, whose need counts that call's held bytes
 during the region's backward; a plain call may follow only a plain call (or
 the start), never a region directly.
@@ -46,7 +46,7 @@ replay may itself checkpoint sub-regions, which lowers what the replay holds
 per-call profile measured). For each short region, the same program run
 from its start gives the least peak of its replay with sub-regions (one run
 per start gives every end), and the outer program may take the region flat or
-nested (paying the sub-regions' recomputation too; see docs/design.md#nesting).
+nested (paying the sub-regions' recomputation too; see docs/decisions/0016-nesting.md).
 
 This module is the memory model (:class:`RegionModel`), built on the tensor
 lifetimes of :mod:`._lifetimes`; the program itself is :mod:`._region_solver`.
@@ -73,7 +73,7 @@ class RegionModel:
     ``plain_scale`` multiplies the per-call bytes of calls run plainly (not
     those of replays): fitted so that the model predicts the measured plain
     step, it absorbs what per-call graphs measure differently from one whole
-    step (see docs/design.md#plain-step-calibration). A replay's calls keep
+    step (see docs/decisions/0017-plain-step-calibration.md). A replay's calls keep
     what their per-call graphs measured, less those outputs, and a call's
     backward runs beside those of parallel branches (see :mod:`._lifetimes`).
     """
@@ -89,7 +89,7 @@ class RegionModel:
         self.enter, self.double = tables.enter, tables.double
         # A replay is a graph too: the outputs no backward reads are freed as soon
         # as the forward read them (BatchNorm and Add outputs), so its calls hold
-        # what they keep without those (see docs/design.md#memory-model).
+        # what they keep without those (see docs/decisions/0018-memory-model.md).
         self.kept_prefix = np.concatenate([[0.0], np.cumsum(np.maximum(
             costs.kept - self.free_out, 0.0))])
         self.fwd_ckpt = np.full((n + 1, n + 1), -np.inf)
@@ -105,7 +105,7 @@ class RegionModel:
         # (kept_prefix leaves them out), so its backward is its own peak above the
         # rest: a BatchNorm's backward makes three temporaries the size of its
         # output, which the reading above its kept output undercounts (see
-        # docs/design.md#memory-model).
+        # docs/decisions/0018-memory-model.md).
         replay_bwd = costs.bwd if costs.bwd_alone is None else np.maximum(
             costs.bwd, costs.bwd_alone + self.free_out)
         for a in range(n):
@@ -159,7 +159,7 @@ class RegionModel:
         per-call profile measured (no plain-step scale), its backward runs beside
         those of parallel branches, as in a flat replay (a residual block's two
         last BatchNorms, plain inside a nested replay, have both backward passes'
-        temporaries alive at once; see docs/design.md#memory-model), and no
+        temporaries alive at once; see docs/decisions/0018-memory-model.md), and no
         policies."""
         view = copy.copy(self)
         view.rescale_plain(1.0, beside=True)

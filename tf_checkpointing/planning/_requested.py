@@ -5,7 +5,7 @@ use: whole chunks. The allocator splits a free chunk only when it is at least
 twice the request, so a tensor can occupy a chunk nearly twice its size, and
 how much the chunks exceed the tensors depends on which chunks earlier frees
 left: the pool a planner leaves behind has its profile's tensors freed in every
-size (see docs/design.md#requested-bytes).
+size (see docs/decisions/0025-requested-bytes.md).
 The allocator's own events (the TensorFlow profiler records each allocation
 and deallocation with the bytes requested) give the peak of the requested
 bytes over a step, which does not depend on the pool: the XLA planner

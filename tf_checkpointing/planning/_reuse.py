@@ -6,7 +6,7 @@ its budget only for that batch size and mode, so one is kept per mode and
 batch shape: a call in a new mode, or with a batch larger than any planned for
 its mode, is planned anew (a small warm-up batch's plan overran the budget of
 the training batches, and an eager sanity step pinned an eager plan that
-``Model.fit`` then ran; see docs/design.md#plans-per-batch-and-mode). A smaller
+``Model.fit`` then ran; see docs/decisions/0031-plans-per-batch-and-mode.md). A smaller
 batch keeps less, so it runs the plan of a batch at least as large. For a batch
 of unknown size (traced with a None batch dimension: an epoch's last under
 ``reduce_retracing``) no plan can be made: it runs the largest plan whose other

@@ -41,7 +41,7 @@ from tf_checkpointing.planning._plan import Segment, SequentialPlan
 __all__ = ["solve"]
 
 # _MAX_UNITS, ROTOR_MIN_UNITS, ROTOR_TABLE_CELLS: the program's memory units (see
-# docs/design.md#rotor-discretisation); _HEADROOM: see docs/design.md#headroom.
+# docs/decisions/0010-rotor-discretisation.md); _HEADROOM: see docs/decisions/0009-headroom.md.
 
 
 def solve(profile: ChainProfile, budget: Union[int, str], *, api: str = "plan_sequential",
@@ -60,7 +60,7 @@ def solve(profile: ChainProfile, budget: Union[int, str], *, api: str = "plan_se
         min_pieces = plain  # under XLA the least plan peaks no lower than plain
     # Plans keep some of the budget free: the allocator hands out whole blocks
     # (up to twice a tensor's size) once it is fragmented, which no per-layer
-    # profile sees (see docs/design.md#headroom).
+    # profile sees (see docs/decisions/0009-headroom.md).
     least = int(predict(min_peak + chain.outside))
     min_budget = min(plain_peak, int(math.ceil(least / (1 - _HEADROOM))))
     mode = "xla" if profile.xla else "graph" if profile.compiled else "eager"

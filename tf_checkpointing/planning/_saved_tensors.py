@@ -6,7 +6,7 @@ only by the decoder's ``Concatenate`` (whose gradient slices the incoming
 gradient and needs only the shapes), is free once the concatenation ran. The
 memory model (:mod:`._regions`) needs to know this to tell such a skip from one
 a later region keeps as its input until its backward: plans it could not tell
-apart differ in their peaks (see docs/design.md#memory-model).
+apart differ in their peaks (see docs/decisions/0018-memory-model.md).
 
 A call's own output can be read by its backward too (``relu``'s gradient reads
 its output): such an output is held until that backward even when no later

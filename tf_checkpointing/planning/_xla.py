@@ -35,7 +35,7 @@ left in the pool; and as a training step (a loss's gradient, an SGD update:
 ``_graph_profile.graph_plain_peak``), which XLA schedules otherwise than a
 backward with a constant output gradient and gradients only summed.
 
-The measurements behind all of this: docs/design.md#xla-plans.
+The measurements behind all of this: docs/decisions/0023-xla-plans.md.
 """
 
 from __future__ import annotations
