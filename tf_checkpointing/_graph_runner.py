@@ -36,8 +36,14 @@ import tensorflow as tf
 
 from tf_checkpointing import policies
 from tf_checkpointing._block_switch import install_switches, remove_switches, set_switches
+from tf_checkpointing._fit_batches import tell_the_batch_on_fit
 from tf_checkpointing.core._flags import checkpoint_scopes_entered
-from tf_checkpointing.core._internals import get_keras_mask, set_keras_mask, unpack_singleton
+from tf_checkpointing.core._internals import (
+    KerasTensor,
+    get_keras_mask,
+    set_keras_mask,
+    unpack_singleton,
+)
 from tf_checkpointing.core._losses import AddedLosses
 from tf_checkpointing.core._recompute import (
     checkpointed_call,
@@ -87,6 +93,9 @@ class GraphRunner:
         self._plans: dict[tuple, PlansByShape[ModelPlan]] = {}  # made for `budget`
         self.budget = budget
         self.mode = mode
+        # The largest batch Model.fit feeds, told by its wrapper (see _fit_batches):
+        # a step traced with an unknown batch size is planned for it.
+        self.batch_hint: Optional[int] = None
         self.original_call = original_call
         readers = graph.consumers()
         outputs = set(graph.output_keys)
@@ -140,6 +149,8 @@ class GraphRunner:
             self._expect_plan_mode(mode)
             return self.plan
         self.plans.adopt(made_ahead(self.graph.model, self.budget, self.policies))
+        if self.batch_hint is not None:  # fit said how large its batches are
+            inputs = with_batch(inputs, self.batch_hint)
         plan, plan_anew = self.plans.find(mode, inputs, training=training)
         if not plan_anew:
             return plan
@@ -348,4 +359,25 @@ def install(model: Any, *, plan: Optional[ModelPlan] = None, budget: Optional[Bu
     install_switches(runner.blocks.values(), force_seed=force_seed, check=check)
     # Plain object.__setattr__: nothing for Keras or TensorFlow to track.
     object.__setattr__(model, "call", runner)
+    if plan is None and isinstance(model, keras.Model):
+        tell_the_batch_on_fit(model, _tell_runner)
     return runner
+
+
+def _tell_runner(model: Any, batch: Optional[int]) -> None:
+    """What ``model.fit`` tells before it trains (see ``_fit_batches``)."""
+    runner = vars(model).get("call")
+    if isinstance(runner, GraphRunner):
+        runner.batch_hint = batch
+
+
+def with_batch(inputs: Any, batch: int) -> Any:
+    """``inputs`` with each unknown first dimension ``batch``: symbolic stand-ins
+    (KerasTensors) of the shapes to plan for; known shapes stay as they are."""
+    def fill(leaf: Any) -> Any:
+        shape = getattr(leaf, "shape", None)
+        if shape is None or not len(shape) or shape[0] is not None:
+            return leaf
+        return KerasTensor((batch, *tuple(shape)[1:]), dtype=leaf.dtype)
+
+    return tf.nest.map_structure(fill, inputs)

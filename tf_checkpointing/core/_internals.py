@@ -9,6 +9,8 @@ file to change (see ``docs/decisions/0033-private-apis-in-one-module.md``).
 
 from __future__ import annotations
 
+from typing import Optional
+
 # Keras: call context, masks, seeds and the functional graph.
 from keras.src import backend as keras_backend  # _losses: the scope losses go to
 from keras.src.backend import KerasTensor, is_float_dtype, standardize_dtype  # _nested_inputs
@@ -36,6 +38,22 @@ from tensorflow.python.ops import (
     tensor_array_ops,
 )
 
+
+def dataset_batch_size(dataset: object) -> Optional[int]:
+    """The batch size of the outermost ``batch`` / ``padded_batch`` in a
+    ``tf.data.Dataset``'s chain (``_input_dataset``, ``_batch_size``: private),
+    or None (``_fit_batches``: the largest batch ``Model.fit`` will feed)."""
+    while dataset is not None:
+        size = getattr(dataset, "_batch_size", None)
+        if size is not None:
+            try:
+                return int(size)
+            except (TypeError, ValueError):  # a symbolic size: unknown
+                return None
+        dataset = getattr(dataset, "_input_dataset", None)
+    return None
+
+
 try:  # the profiler's protobufs (planning._requested); a TensorFlow that moved them
     from tensorflow.tsl.profiler.protobuf import xplane_pb2
 except ImportError:  # pragma: no cover - the XLA planner then reads the chunks
@@ -43,7 +61,8 @@ except ImportError:  # pragma: no cover - the XLA planner then reads the chunks
 
 __all__ = [
     "GLOBAL_SEED_GENERATOR", "KerasTensor", "SymbolicArguments", "autograph_config",
-    "context", "control_flow_util", "control_flow_v2_func_graphs", "forwardprop_util",
+    "context", "control_flow_util", "control_flow_v2_func_graphs", "dataset_batch_size",
+    "forwardprop_util",
     "func_graph", "gen_random_ops", "gen_resource_variable_ops", "get_keras_mask",
     "is_float_dtype", "keras_backend", "keras_global_state", "keras_numpy_ops", "op_callbacks",
     "operation_fn",

@@ -163,6 +163,8 @@ def _unknown_shape_fixes(api: str) -> str:
                  "tf.function's input_signature")
     if api == "apply_checkpointing":
         # A plan made ahead is never made again, so any batch size trains with it.
+        # (Model.fit on a batched tf.data.Dataset or on arrays tells the batch size
+        # itself, see _fit_batches: this is a step of the user's, or data of no size.)
         return ("plan ahead on one batch and apply that plan, which then serves every "
                 "batch size: plan = tf_checkpointing.plan_model(model, x[:batch_size], "
                 "budget=..., mode='graph') (mode='xla' for jit_compile=True), then "
