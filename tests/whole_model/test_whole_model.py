@@ -308,43 +308,25 @@ def test_xla_plans_are_scaled_to_the_measured_xla_step():
                          mode="xla").mode == "xla"
 
 
-def test_an_xla_least_plan_compiles_no_step_unless_the_model_repeats_a_block(monkeypatch):
-    """budget="min" for an XLA step is made from the tf.function profile, and says
-    so: compiling the plain and the least plan's XLA steps took 220 of DenseNet121's
-    244 s of planning, and the first fit call 4.8x plain's (docs/design.md#xla-plans).
-    A model repeating a block of its own still has both plans measured, compiled."""
-    from tf_checkpointing.planning import _graph_profile
-
-    compiled = []
-    original = _graph_profile.graph_plain_peak
-    monkeypatch.setattr(_graph_profile, "graph_plain_peak",
-                        lambda calls, x, device, jit_compile=False, *args, **kwargs:
-                        compiled.append(jit_compile) or original(calls, x, device, jit_compile,
-                                                                 *args, **kwargs))
-    plan = tc.plan_model(residual_net(count=False), tf.random.normal([2, 8, 8, 3]),
-                         budget="min", mode="xla")
-    assert True not in compiled, compiled
-    assert plan.mode == "xla" and plan.predicted_for == "graph"
-    assert "predicted peak" in str(plan) and "for a tf.function step" in str(plan)
-    assert "no XLA step was compiled to plan it" in str(plan)
-    assert tc.ModelPlan.from_config(plan.to_config()) == plan
-
-    class Block(keras.layers.Layer):
-        def __init__(self, **kwargs):
-            super().__init__(**kwargs)
-            self.dense = keras.layers.Dense(16, activation="relu")
-
-        def call(self, x):
-            return x + self.dense(x)
-
-    inputs = keras.Input((16,))
-    h = inputs
-    for _ in range(3):
-        h = Block()(h)
-    compiled.clear()
-    blocks = tc.plan_model(keras.Model(inputs, keras.layers.Dense(1)(h)),
-                           tf.random.normal([8, 16]), budget="min", mode="xla")
-    assert True in compiled and blocks.predicted_for is None
+def test_an_xla_least_plan_reports_the_xla_steps_it_enforces():
+    """budget="min" for an XLA step reports XLA's numbers: its plain and least
+    plans are compiled and measured, and the least budget it reports is the one
+    a budget in bytes is held to (it used to report a tf.function step's, and a
+    budget made from them was refused inside the first fit step)."""
+    model = residual_net(count=False)
+    x = tf.random.normal([16, 8, 8, 3])
+    least = tc.plan_model(model, x, budget="min", mode="xla")
+    assert least.mode == "xla" and "tf.function" not in str(least)
+    assert least.predicted_peak_bytes < least.plain_peak_bytes, str(least)
+    halfway = least.min_budget_bytes + (least.plain_peak_bytes - least.min_budget_bytes) // 2
+    for budget in (least.min_budget_bytes, halfway):
+        plan = tc.plan_model(model, x, budget=budget, mode="xla")
+        assert plan.min_budget_bytes == least.min_budget_bytes
+        assert plan.plain_peak_bytes == least.plain_peak_bytes
+        assert plan.predicted_peak_bytes <= budget, str(plan)
+    with pytest.raises(ValueError, match=f"expected at least {least.min_budget_bytes} bytes"):
+        tc.plan_model(model, x, budget=least.min_budget_bytes - 1, mode="xla")
+    assert tc.ModelPlan.from_config(least.to_config()) == least
 
 
 def test_an_xla_plan_that_measures_above_its_budget_is_chosen_again():

@@ -24,13 +24,21 @@ def _data(n=10):
     return rng.random((n, 4), np.float32), rng.random((n, 2), np.float32)
 
 
-def test_fit_with_a_partial_batch_names_fixes_that_work():
-    x, y = _data()  # 10 samples at batch_size=4: the last batch has 2
+def test_a_step_of_unknown_batch_size_names_fixes_that_work():
+    """A training step of one's own traced with a None batch dimension (an
+    input_signature): nothing says how large its batches are, so no plan can be
+    made (Model.fit says it itself: tests/whole_model/test_fit_batches.py)."""
     model = _mlp()
     tc.apply_checkpointing(model, budget="min")
-    model.compile("sgd", "mse")
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 4])])
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(x, training=True))
+        return tape.gradient(loss, model.trainable_variables)
+
     with pytest.raises(ValueError) as caught:
-        model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+        step(tf.ones([4, 4]))
     message = str(caught.value)
     assert "apply_checkpointing: planning for a memory budget needs the full input shape" \
         in message
@@ -38,7 +46,7 @@ def test_fit_with_a_partial_batch_names_fixes_that_work():
     assert "mode='graph'" in message and "apply_checkpointing(model, plan=plan)" in message
     assert "drop_remainder=True" in message
     # Neither an argument apply_checkpointing lacks, nor the eager-call advice
-    # (an eager call plans nothing, so fit failed the same way after it).
+    # (an eager call plans nothing, so the step failed the same way after it).
     assert "segments" not in message and "eagerly" not in message
 
 
@@ -70,13 +78,13 @@ def test_a_budget_runs_the_plan_made_ahead_for_it_where_the_batch_is_unknown():
         warnings.simplefilter("error")
         model.fit(dataset, epochs=1, verbose=0, shuffle=False)
     assert model.call.plan is plan
-    # Another budget is another plan: it is not run, and the unknown batch is refused.
+    # Another budget is another plan: it is not run; fit's batch size is planned for.
     other = _mlp()
-    tc.plan_model(other, x[:4], budget=10**9, mode="graph")
+    ahead = tc.plan_model(other, x[:4], budget=10**9, mode="graph")
     tc.apply_checkpointing(other, budget="min")
     other.compile("sgd", "mse")
-    with pytest.raises(ValueError, match="needs the full input shape"):
-        other.fit(dataset, epochs=1, verbose=0, shuffle=False)
+    other.fit(dataset, epochs=1, verbose=0, shuffle=False)
+    assert other.call.plan is not ahead and other.call.plan.budget_bytes == "min"
 
 
 def test_plan_model_on_a_symbolic_input_says_pass_a_concrete_batch():

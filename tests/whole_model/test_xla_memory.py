@@ -8,10 +8,8 @@ XLA step is anchored at the measured XLA steps of the plain and the least plan
 which the BFC allocator would count as the whole region it opens, so the first
 measurement grows the CPU pool (``_memory.grow_cpu_pool``). Each plan, the
 least and one halfway to plain, must peak within 1.05x of its budget: a budget
-plan's the budget it was made for, the least plan's the smallest budget it reports,
-which is a ``tf.function`` step's (the least plan for an XLA step is made from the
-``tf.function`` profile: see ``ModelPlan.predicted_for``), so its XLA step must not
-need more than the ``tf.function`` one's least budget either.
+plan's the budget it was made for, the least plan's the smallest budget it reports
+(XLA's, measured).
 """
 
 import json

@@ -96,9 +96,8 @@ class _Planning:
     key: Any
     anchor: Optional[XlaAnchor]
     chunks: float
-    predicted_for: Optional[str]
     inner: list[tuple[BlockRef, ...]]
-    _inner_peaks: Optional[list[int]] = None
+    _measured: dict = dataclasses.field(default_factory=dict)  # per option: its peak
 
     @classmethod
     def start(cls, graph: LayerGraph, inputs: Any, budget: Optional[int], *, mode: str,
@@ -112,12 +111,10 @@ class _Planning:
         else:
             policies = with_reductions(policies)
         inner = inner_block_choices(graph)
-        # The least plan for an XLA step compiles no step to be made, unless the model
-        # repeats a block of its own (the candidates are then measured): it is the
-        # tf.function profile's, and so are its numbers (see
-        # docs/decisions/0024-least-plans-under-xla.md).
-        measured = ("graph" if mode == "xla" and budget is None and not block_spans(graph)
-                    and not inner else mode)
+        # An XLA step is planned on the tf.function profile, anchored on its plain
+        # and least plans compiled and measured (see
+        # docs/decisions/0024-least-plans-under-xla.md): one profile for every budget.
+        measured = "graph" if mode == "xla" else mode
         profile, costs = cached_profile(graph, inputs, measured, api)
         if policies:
             choices = cached_choices(graph, inputs, measured, api, policies)
@@ -127,18 +124,27 @@ class _Planning:
         nested = nested_options(region_model)
         least = solve(region_model, None, nested=nested)
         assert least is not None  # every call alone, checkpointed or not, is a plan
-        # For XLA, the model's peaks are mapped onto two measured XLA steps (see _xla).
-        key = profile_key(graph, inputs, measured)
-        anchor = None if measured != "xla" else model_anchor(
-            key, graph, inputs, least.spans, runner, model_least=least.value,
-            model_plain=region_model.peak(()), plain_bytes=profile.plain_peak_bytes, api=api)
-        if anchor is not None and not anchor.helps:
-            least = Solution(least.value, (), ())
-        return cls(graph=graph, inputs=inputs, budget=budget, mode=mode, api=api,
-                   runner=runner, policies=policies, region_model=region_model, nested=nested,
-                   least=least, plain_peak=profile.plain_peak_bytes, key=key, anchor=anchor,
-                   chunks=_CHUNKS if measured == "graph" else 1.0,
-                   predicted_for=None if measured == mode else measured, inner=inner)
+        planning = cls(graph=graph, inputs=inputs, budget=budget, mode=mode, api=api,
+                       runner=runner, policies=policies, region_model=region_model,
+                       nested=nested, least=least, key=profile_key(graph, inputs, measured),
+                       anchor=None, chunks=_CHUNKS, inner=inner,
+                       plain_peak=profile.plain_peak_bytes)
+        if mode == "xla":
+            planning.anchor_on_xla_steps()
+        return planning
+
+    def anchor_on_xla_steps(self) -> None:
+        """Maps the model's peaks onto the plain and least plans' XLA steps,
+        measured (see _xla), and takes XLA's plain peak as the plain step's."""
+        least = self.least
+        anchor = model_anchor(self.key, self.graph, self.inputs, least.spans, self.runner,
+                              model_least=least.value, model_plain=self.region_model.peak(()),
+                              api=self.api, least_policies=self.policies_of(least.policies))
+        self.anchor, self.plain_peak = anchor, anchor.plain_bytes
+        self._measured[_memo_key(_Option(_PLAIN))] = anchor.plain_bytes
+        self._measured[_memo_key(_Option(least))] = anchor.least_bytes
+        if not anchor.helps:
+            self.least = Solution(least.value, (), ())
 
     def predict(self, model_bytes: float, checkpointed: bool = True) -> float:
         """The step's peak for a plan the model predicts ``model_bytes`` for."""
@@ -154,17 +160,18 @@ class _Planning:
         return tuple(None if p == NO_POLICY else self.policies[p] for p in chosen)
 
     def measure(self, option: _Option) -> int:
-        """The peak of the step run by ``option``, measured."""
-        blocks = {"blocks": option.blocks} if option.blocks else {}
-        return measure_plan(self.graph, self.inputs, self.api, self.runner,
-                            option.solution.spans, self.policies_of(option.solution.policies),
-                            mode=self.mode, **blocks)
+        """The peak of the step run by ``option``, measured (once)."""
+        key = _memo_key(option)
+        if key not in self._measured:
+            blocks = {"blocks": option.blocks} if option.blocks else {}
+            self._measured[key] = measure_plan(
+                self.graph, self.inputs, self.api, self.runner, option.solution.spans,
+                self.policies_of(option.solution.policies), mode=self.mode, **blocks)
+        return self._measured[key]
 
     def inner_peaks(self) -> list[int]:
-        """The measured peak of each selection of blocks inside calls (once)."""
-        if self._inner_peaks is None:
-            self._inner_peaks = [self.measure(_Option(_PLAIN, refs)) for refs in self.inner]
-        return self._inner_peaks
+        """The measured peak of each selection of blocks inside calls."""
+        return [self.measure(_Option(_PLAIN, refs)) for refs in self.inner]
 
     def min_budget(self) -> int:
         """The least budget accepted: the least plan's predicted peak (or the
@@ -189,12 +196,19 @@ class _Planning:
             min_budget_bytes=self.min_budget(), policies=self.policies,
             predicted_extra_seconds=None if option.blocks else self.region_model.extra_work(
                 spans, option.solution.policies),
-            predicted_for=self.predicted_for, blocks=option.blocks,
+            blocks=option.blocks,
             block_names=tuple(f"{self.graph.calls[i].name}/{layer.name}"
                               for (i, _), layer in zip(option.blocks, layers)))
 
 
 _PLAIN = Solution(0.0, (), ())
+
+
+def _memo_key(option: _Option) -> tuple:
+    """What a measured step depends on: regions, their policies, blocks."""
+    policies = tuple(NO_POLICY if p is None else p for p in option.solution.policies)
+    policies = policies if any(p != NO_POLICY for p in policies) else ()
+    return option.solution.spans, policies, option.blocks
 
 
 def _least_plan(planning: _Planning) -> ModelPlan:

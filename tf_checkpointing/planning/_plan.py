@@ -28,8 +28,6 @@ __all__ = ["ModelPlan", "Plan", "Segment", "SequentialPlan", "even_plan", "piece
            "policy_name"]
 
 P = TypeVar("P", bound="Plan")
-# What a plan's text calls each step kind (its mode).
-_STEPS = {"eager": "eager", "graph": "tf.function", "xla": "XLA"}
 _FROM_REGIONS = "ModelPlan.from_regions"
 
 
@@ -80,10 +78,6 @@ class Plan:
             when it chose only between plain and full replays.
         predicted_extra_seconds: the replay time per step the plan adds, as the
             planner's time model predicts it.
-        predicted_for: the step the predicted and plain peaks (and the smallest
-            budget) are for, where it is not ``mode``'s: an XLA step's least plan
-            is made from the ``tf.function`` step's profile, compiling no XLA step
-            (``"graph"``); None: ``mode``'s.
 
     Example:
         >>> from tf_checkpointing import Segment, SequentialPlan
@@ -104,7 +98,6 @@ class Plan:
     min_budget_bytes: Optional[int] = None
     policies: tuple[Any, ...] = ()
     predicted_extra_seconds: Optional[float] = None
-    predicted_for: Optional[str] = None
 
     @property
     def num_layers(self) -> int:
@@ -151,18 +144,14 @@ class Plan:
         head += f": {_count_of(self.num_layers, 'layer')}"
         if self.budget_bytes is not None:
             budget = "min" if self.budget_bytes == "min" else mib(self.budget_bytes)
-            # An XLA least plan's numbers are a tf.function step's (see predicted_for).
-            step = f" for a {_STEPS[self.predicted_for]} step" if self.predicted_for else ""
-            head += f", budget {budget} -> predicted peak {mib(self.predicted_peak_bytes)}{step}"
+            head += f", budget {budget} -> predicted peak {mib(self.predicted_peak_bytes)}"
             if self.predicted_peak_bytes and self.plain_peak_bytes:
                 head += (f" ({self.predicted_peak_bytes / self.plain_peak_bytes:.2f}x the "
                          f"plain step's measured {mib(self.plain_peak_bytes)})")
             else:
                 head += f" (plain step {mib(self.plain_peak_bytes)})"
-            head += (f"; smallest budget accepted {mib(self.min_budget_bytes)}{step} (a plan's "
+            head += (f"; smallest budget accepted {mib(self.min_budget_bytes)} (a plan's "
                      f"predicted peak stays within {1 - HEADROOM:.0%} of its budget)")
-            if self.predicted_for:
-                head += f"; no {_STEPS[self.mode]} step was compiled to plan it"
         regions = sum(p.checkpointed for p in self.pieces)
         head += (f"; {_count_of(regions, 'checkpointed region')}, "
                  f"{_count_of(self.extra_forward_layers, 'extra layer forward')} "
@@ -193,6 +182,7 @@ class Plan:
     def from_config(cls: type[P], config: dict[str, Any]) -> P:
         """The plan :meth:`to_config` described."""
         config = dict(config)
+        config.pop("predicted_for", None)  # in plans saved before 0.2: their numbers' step
         config["names"] = tuple(config["names"])
         config["pieces"] = tuple(_piece_of(c) for c in config["pieces"])
         config["policies"] = tuple(save_policies.from_config(p) for p in config["policies"])

@@ -181,12 +181,15 @@ def measure_xla_step(run: Callable[[Any], Any], inputs: Any, api: str,
 
 
 def model_anchor(key: Any, graph: Any, inputs: Any, least_spans: tuple, runner: PlanRunner, *,
-                 model_least: float, model_plain: float, plain_bytes: int,
-                 api: str) -> XlaAnchor:
-    """The anchor of a whole-model plan for an XLA step: its least plan
-    (``least_spans``) compiled and measured, once per profile ``key``."""
+                 model_least: float, model_plain: float, api: str,
+                 least_policies: tuple = ()) -> XlaAnchor:
+    """The anchor of a whole-model plan for an XLA step: its plain step and its
+    least plan (``least_spans``, its regions under ``least_policies``) compiled
+    and measured, once per profile ``key``."""
     if key not in _model_anchors:
-        least_bytes = measure_plan(graph, inputs, api, runner, least_spans)
+        plain_bytes = measure_plan(graph, inputs, api, runner, ())
+        least_bytes = measure_plan(graph, inputs, api, runner, least_spans,
+                                   least_policies) if least_spans else plain_bytes
         _model_anchors[key] = XlaAnchor(model_least=model_least, model_plain=model_plain,
                                         least_bytes=least_bytes, plain_bytes=plain_bytes)
         while len(_model_anchors) > _CACHE_SIZE:
