@@ -2,8 +2,8 @@
 where they live in the repository, instead of keeping copies under docs/.
 
 The committed results (`benchmarks/results/`: the Markdown tables and run notes, the
-plots and the JSON they are made from) are published as `results/...` beside the pages. A page links them by their
-path in the repository (`../benchmarks/results/quick.md` from docs/,
+plots and the JSON they are made from) are published as `results/...` beside the pages.
+A page links them by their path in the repository (`../benchmarks/results/quick.md` from docs/,
 `../../benchmarks/results/notes/x.md` from docs/decisions/), the link that works when
 the repository is browsed; each such link is rewritten to the published copy before
 MkDocs checks it, and so are the results pages' and the changelog's links to docs/."""

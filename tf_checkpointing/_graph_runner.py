@@ -53,7 +53,7 @@ from tf_checkpointing.core._recompute import (
 )
 from tf_checkpointing.core._state import WritesKeptOut
 from tf_checkpointing.planning._allocator import in_xla_context
-from tf_checkpointing.planning._blocks import block_layers, inner_block_choices
+from tf_checkpointing.planning._blocks import block_layers, inner_block_choices, sublayers
 from tf_checkpointing.planning._budget import Budget
 from tf_checkpointing.planning._frozen import backprop_calls
 from tf_checkpointing.planning._graph import (
@@ -171,7 +171,7 @@ class GraphRunner:
         finally:  # the profile's layer calls add losses of their own
             profiled.take()
         if key is not None:
-            write_plan(self.plan_cache, key, plan)
+            write_plan(self.plan_cache, key, plan, _API)
         self.plans.add(mode, inputs, plan)
         return plan
 
@@ -335,19 +335,25 @@ def install(model: Any, *, plan: Optional[ModelPlan] = None, budget: Optional[Bu
         # same names are not enough where the plan knows what each call computes
         # (a Conv2D "stem" of other width, a slice h[:, :1] for h[:, :64]).
         fits = (plan.call_kinds == graph.kinds() if plan.call_kinds
-                else names == plan.call_names)
+                else names == plan.names)
         if not fits:
-            same = names == plan.call_names
-            named = ("" if len(names) != len(plan.call_names)
+            same = names == plan.names
+            named = ("" if len(names) != len(plan.names)
                      else " with the same names" if same else " with other names")
             computed = ("" if not plan.call_kinds else
                         f" {'but' if same else 'and'} other layers, arguments or connections")
             raise ValueError(
                 f"{_API}: argument `plan` was made for another model: it has "
-                f"{len(plan.call_names)} layer calls, `{model.name}` has {len(names)}{named}"
-                f"{computed}. "
+                f"{len(plan.names)} layer calls, `{model.name}` has {len(names)}{named}"
+                f"{computed}; {_first_difference(plan, graph)}. "
                 "Make the plan with plan_model(model, inputs, budget=...) on this model."
             )
+        if not all(i < len(graph.calls) and k < len(sublayers(graph.calls[i].layer))
+                   for i, k in plan.blocks):
+            raise ValueError(
+                f"{_API}: argument `plan` checkpoints blocks inside calls that `{model.name}` "
+                f"does not have ({', '.join(plan.block_names[:3])}...). Make the plan with "
+                "plan_model(model, inputs, budget=...) on this model.")
     current = vars(model).get("call")
     original = current.original_call if isinstance(current, GraphRunner) else None
     if isinstance(current, GraphRunner):  # replaced: its blocks' switches go with it
@@ -362,6 +368,26 @@ def install(model: Any, *, plan: Optional[ModelPlan] = None, budget: Optional[Bu
     if plan is None and isinstance(model, keras.Model):
         tell_the_batch_on_fit(model, _tell_runner)
     return runner
+
+
+def _first_difference(plan: ModelPlan, graph: LayerGraph) -> str:
+    """The first layer call where ``plan`` and ``graph`` differ, in words: its
+    name, or what the plan says it computes against what the model's does."""
+    names = [call.name for call in graph.calls]
+    kinds = graph.kinds() if plan.call_kinds else ()
+    for i in range(min(len(names), len(plan.names))):
+        if plan.names[i] != names[i] and not plan.call_kinds:
+            return (f"the first that differs is call {i}: `{plan.names[i]}` in the plan, "
+                    f"`{names[i]}` here")
+        if plan.call_kinds and plan.call_kinds[i] != kinds[i]:
+            ours, theirs = plan.call_kinds[i], kinds[i]
+            at = next(k for k, (a, b) in enumerate(zip(ours, theirs)) if a != b) \
+                if ours[:len(theirs)] != theirs[:len(ours)] else min(len(ours), len(theirs))
+            start = max(0, at - 30)
+            return (f"the first that differs is call {i}, `{names[i]}` here (`{plan.names[i]}` "
+                    f"in the plan): the plan's reads ...{ours[start:at + 30]}... where this "
+                    f"model's reads ...{theirs[start:at + 30]}...")
+    return f"the first {min(len(names), len(plan.names))} calls are alike, then one has more"
 
 
 def _tell_runner(model: Any, batch: Optional[int]) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+import reprlib
 import warnings
 from typing import Any, Optional, Union
 
@@ -33,6 +34,7 @@ from tf_checkpointing.planning._graph import functional_of, read_graph
 from tf_checkpointing.planning._model import plan_graph
 from tf_checkpointing.planning._modes import expect_mode
 from tf_checkpointing.planning._plan import ModelPlan
+from tf_checkpointing.planning._plan_files import expect_folder
 from tf_checkpointing.planning._reuse import remember
 
 __all__ = ["plan_model"]
@@ -162,10 +164,16 @@ def checkpoint_whole_model(model: Any, *, budget: Any = None,
     """Installs the graph runner on ``model`` for ``plan``, or for ``budget``
     (planned on the first training call, choosing among ``policies``, or read
     from ``plan_cache``)."""
+    if isinstance(plan, dict):  # a plan's config, as saved with plan.to_config()
+        raise TypeError(
+            f"{_API}: argument `plan` must be a ModelPlan; received a dict (a plan's "
+            f"config, with keys {sorted(plan)[:6]}...). Fix: pass "
+            "ModelPlan.from_config(config), e.g. apply_checkpointing(model, "
+            "plan=tf_checkpointing.ModelPlan.from_config(json.load(file))).")
     if plan is not None and not isinstance(plan, ModelPlan):
         raise TypeError(
             f"{_API}: argument `plan` must be a ModelPlan from plan_model; received "
-            f"{plan!r} of type {type(plan).__name__}. Make one with "
+            f"{reprlib.repr(plan)} of type {type(plan).__name__}. Make one with "
             "plan_model(model, inputs, budget=...)."
         )
     candidates = expect_policies(policies, _API)
@@ -186,6 +194,8 @@ def checkpoint_whole_model(model: Any, *, budget: Any = None,
             "plan_cache='plans/' (a plan given as plan= is saved with plan.to_config()).")
     if checked is not None:
         expect_statistics(_API)
+    if plan_cache is not None:
+        expect_folder(plan_cache, _API)
     install(model, plan=plan, budget=checked, force_seed=force_seed, check=check,
             policies=candidates, plan_cache=plan_cache)
 

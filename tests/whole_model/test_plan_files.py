@@ -181,3 +181,68 @@ def test_plan_cache_refuses_what_is_not_a_folder_with_a_budget(tmp_path):
         tc.apply_checkpointing(model, plan=plan, plan_cache=str(tmp_path))
     with pytest.raises(TypeError, match=r"`plan_cache`.*with select"):
         tc.apply_checkpointing(model, ["stem"], plan_cache=str(tmp_path))
+
+
+@pytest.mark.parametrize("content", ["[1, 2]", '"text"', "null", '{"key": 3}',
+                                     '{"plan": []}', '{"plan": {"names": 5}}'])
+def test_plan_cache_replans_over_valid_json_that_is_not_a_plan(tmp_path, content):
+    _cached_step(tmp_path)
+    (saved,) = tmp_path.glob("plan-*.json")
+    saved.write_text(content)
+    with pytest.warns(UserWarning, match=r"plan_cache.*cannot be used.*planning again"):
+        model = _cached_step(tmp_path)
+    assert model.call.plan.regions
+
+
+def test_plan_cache_that_cannot_be_a_folder_is_refused_when_given(tmp_path):
+    taken = tmp_path / "a-file"
+    taken.write_text("")
+    model = residual_net(count=False)
+    with pytest.raises(ValueError, match=r"argument `plan_cache` must be a folder.*"
+                                         r"a-file'.*it is a file, not a folder.*Fix"):
+        tc.apply_checkpointing(model, budget="min", plan_cache=str(taken))
+    with pytest.raises(ValueError, match=r"`plan_cache`.*no folder can be made there"):
+        tc.apply_checkpointing(model, budget="min", plan_cache=str(taken / "below"))
+    assert "call" not in vars(model)  # refused before anything was installed
+
+
+def test_plan_cache_that_cannot_be_written_warns_and_trains(tmp_path, monkeypatch):
+    from tf_checkpointing.planning import _plan_files
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(_plan_files.tempfile, "mkstemp", full)
+    with pytest.warns(UserWarning, match=r"plan_cache.*could not be saved.*No space left.*"
+                                         r"training goes on"):
+        model = _cached_step(tmp_path)
+    assert model.call.plan.regions and not list(tmp_path.glob("plan-*.json"))
+
+
+def test_a_refused_plan_names_the_first_call_that_differs():
+    keras.utils.set_random_seed(0)
+    model = residual_net(count=False)
+    plan = tc.ModelPlan.from_regions(model, [["stem", "conv0"]])
+    x = keras.Input((8, 8, 3), name="image")  # residual_net, but conv1's kernel is 5x5
+    h = keras.layers.Conv2D(8, 3, padding="same", name="stem")(x)
+    for i in range(3):
+        y = keras.layers.Conv2D(8, 5 if i == 1 else 3, padding="same", name=f"conv{i}")(h)
+        y = keras.layers.BatchNormalization(name=f"bn{i}")(y)
+        y = keras.layers.Activation("relu", name=f"relu{i}")(y)
+        y = keras.layers.Dropout(0.3, name=f"drop{i}")(y)
+        h = keras.layers.Add(name=f"add{i}")([h, y])
+    pooled = keras.layers.GlobalAveragePooling2D(name="pool")(h)
+    other = keras.Model(x, keras.layers.Dense(2, name="head")(pooled))
+    with pytest.raises(ValueError, match=r"made for another model.*first that differs is "
+                                         r"call \d+, `conv1` here.*kernel_size', \(3, 3\)"
+                                         r".*kernel_size', \(5, 5\)"):
+        tc.apply_checkpointing(other, plan=plan)
+
+
+def test_a_plans_config_given_as_the_plan_names_from_config_briefly():
+    model = residual_net(count=False)
+    config = tc.ModelPlan.from_regions(model, [["stem", "conv0"]]).to_config()
+    with pytest.raises(TypeError, match=r"argument `plan` must be a ModelPlan; received a "
+                                        r"dict.*ModelPlan.from_config") as caught:
+        tc.apply_checkpointing(model, plan=config)
+    assert len(str(caught.value)) < 400, str(caught.value)

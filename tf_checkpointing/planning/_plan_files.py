@@ -35,7 +35,8 @@ import tensorflow as tf
 from tf_checkpointing.planning._graph import LayerGraph
 from tf_checkpointing.planning._plan import ModelPlan, policy_name
 
-__all__ = ["device_of_step", "file_name", "plan_key", "read_plan", "write_plan"]
+__all__ = ["device_of_step", "expect_folder", "file_name", "plan_key", "read_plan",
+           "write_plan"]
 
 
 def plan_key(graph: LayerGraph, inputs: Any, *, mode: str, budget: Any,
@@ -87,12 +88,15 @@ def read_plan(folder: Any, key: str, graph: LayerGraph, api: str) -> Optional[Mo
         return None
     try:
         saved = json.loads(path.read_text())
+        if not isinstance(saved, dict) or not isinstance(saved.get("plan"), dict):
+            raise ValueError("it does not hold a plan file's JSON object")
         if saved.get("key") != key:
             raise ValueError("it was saved for another planning question")
         plan = ModelPlan.from_config(saved["plan"])
-        if plan.call_names != tuple(call.name for call in graph.calls):
+        if plan.names != tuple(call.name for call in graph.calls):
             raise ValueError("its layer calls are not this model's")
-    except (OSError, ValueError, KeyError, TypeError) as error:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError,
+            IndexError) as error:  # whatever the file holds: planned again
         warnings.warn(
             f"{api}: argument `plan_cache`: the plan file {str(path)!r} cannot be used "
             f"({error}); planning again and writing it anew.", UserWarning, stacklevel=5)
@@ -100,15 +104,46 @@ def read_plan(folder: Any, key: str, graph: LayerGraph, api: str) -> Optional[Mo
     return plan
 
 
-def write_plan(folder: Any, key: str, plan: ModelPlan) -> Path:
+def write_plan(folder: Any, key: str, plan: ModelPlan, api: str) -> Optional[Path]:
     """Saves ``plan`` in ``folder`` for ``key`` (atomically: a reader never sees
-    half a file); returns its path."""
+    half a file); returns its path, or None, with a warning, where the folder
+    cannot take it (training goes on with the plan, unsaved)."""
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     path = folder / file_name(key)
     text = json.dumps({"key": key, "plan": plan.to_config()}, indent=1)
-    handle, temporary = tempfile.mkstemp(dir=folder, prefix=".plan-", suffix=".json")
-    with os.fdopen(handle, "w") as out:
-        out.write(text)
-    os.replace(temporary, path)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(dir=folder, prefix=".plan-", suffix=".json")
+        with os.fdopen(handle, "w") as out:
+            out.write(text)
+        os.replace(temporary, path)
+    except OSError as error:
+        warnings.warn(
+            f"{api}: argument `plan_cache`: the plan could not be saved in {str(folder)!r} "
+            f"({error}); training goes on with it, and the next run plans again. Fix: pass "
+            "a folder this process can write, e.g. plan_cache='plans/'.",
+            UserWarning, stacklevel=5)
+        return None
     return path
+
+
+def expect_folder(folder: Any, api: str) -> None:
+    """Refuses a ``plan_cache`` that cannot be a folder of plan files (an
+    existing file, a place where no folder can be made), naming the argument."""
+    path = Path(folder)
+    problem = None
+    if path.exists() and not path.is_dir():
+        problem = "it is a file, not a folder"
+    else:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            problem = f"no folder can be made there ({error.strerror or error})"
+        else:
+            if not os.access(path, os.W_OK):
+                problem = "this process cannot write in it"
+    if problem is not None:
+        raise ValueError(
+            f"{api}: argument `plan_cache` must be a folder this process can write plan "
+            f"files in; received plan_cache={str(folder)!r}, but {problem}. Fix: pass "
+            "another folder (made if missing), e.g. plan_cache='plans/'.")
