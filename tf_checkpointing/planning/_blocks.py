@@ -19,16 +19,19 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from tf_checkpointing.planning._graph import LayerGraph
+from tf_checkpointing.planning._graph import LayerGraph, last_uses, tensor_keys
 
 __all__ = ["BlockRef", "block_layers", "block_spans", "candidate_layers", "inner_block_choices",
-           "sublayers"]
+           "segment_spans", "sublayers"]
 
 BlockRef = tuple[int, int]
 """A sublayer of a layer call: ``(call index, index in sublayers(call.layer))``."""
 
 # At most this many block classes are measured (one compiled step each).
 _MAX_CLASSES = 3
+# A piece of the model cut at one live tensor shorter than this joins the one before
+# (a ReLU after a residual Add is a piece of its own: no block).
+_MIN_SEGMENT = 3
 
 
 def sublayers(layer: Any) -> list[Any]:
@@ -69,6 +72,43 @@ def block_spans(graph: LayerGraph) -> tuple:
     if n < 2:
         return ()
     return tuple((i, i + 1, ()) for i, call in enumerate(graph.calls) if type(call.layer) is block)
+
+
+def segment_spans(graph: LayerGraph, min_calls: int = _MIN_SEGMENT) -> tuple:
+    """The model cut where one floating tensor alone is alive (a residual block's
+    input, which both its branch and its skip read), each piece of at least
+    ``min_calls`` calls (shorter ones join the piece before) as a region, the
+    calls after the last cut (the head) plain: the per-block selection a user
+    writes by layer-name prefix for ``keras.applications`` models, as regions.
+    () when the model has fewer than two such pieces.
+
+        >>> import keras
+        >>> from tf_checkpointing.planning._graph import read_graph
+        >>> from tf_checkpointing.planning._blocks import segment_spans
+        >>> x = keras.Input((4,))
+        >>> h = x
+        >>> for _ in range(3):
+        ...     y = keras.layers.Dense(4)(keras.layers.Dense(4)(h))
+        ...     h = keras.layers.Add()([h, keras.layers.ReLU()(y)])
+        >>> segment_spans(read_graph(keras.Model(x, keras.layers.Dense(1)(h)), "doc"))
+        ((0, 4, ()), (4, 8, ()), (8, 12, ()))
+    """
+    floating = {key: _is_floating(t) for call in graph.calls
+                for t, key in zip(call.arguments.keras_tensors, call.arg_keys)}
+    made, last = graph.producers(), dict(zip(tensor_keys(graph), last_uses(graph)))
+    n = len(graph.calls)
+    cuts = [i for i in range(1, n) if sum(
+        1 for key, end in last.items() if made[key] < i <= end and floating.get(key, True)) == 1]
+    bounds = [0]
+    for cut in cuts:
+        if cut - bounds[-1] >= min_calls:
+            bounds.append(cut)
+    pieces = [(a, c, ()) for a, c in zip(bounds, bounds[1:])]
+    return tuple(pieces) if len(pieces) >= 2 else ()
+
+
+def _is_floating(tensor: Any) -> bool:
+    return "float" in str(getattr(tensor, "dtype", "float"))
 
 
 def inner_block_choices(graph: LayerGraph) -> list[tuple[BlockRef, ...]]:

@@ -21,6 +21,7 @@ from tf_checkpointing.planning._blocks import (
     block_layers,
     block_spans,
     inner_block_choices,
+    segment_spans,
     sublayers,
 )
 from tf_checkpointing.planning._budget import LEAST, Budget
@@ -33,6 +34,7 @@ from tf_checkpointing.planning._model_profile import (
     cached_choices,
     cached_profile,
     calibrated,
+    measured_peak,
     profile_key,
 )
 from tf_checkpointing.planning._modes import step_mode
@@ -97,7 +99,6 @@ class _Planning:
     anchor: Optional[XlaAnchor]
     chunks: float
     inner: list[tuple[BlockRef, ...]]
-    _measured: dict = dataclasses.field(default_factory=dict)  # per option: its peak
 
     @classmethod
     def start(cls, graph: LayerGraph, inputs: Any, budget: Optional[int], *, mode: str,
@@ -141,8 +142,9 @@ class _Planning:
                               model_least=least.value, model_plain=self.region_model.peak(()),
                               api=self.api, least_policies=self.policies_of(least.policies))
         self.anchor, self.plain_peak = anchor, anchor.plain_bytes
-        self._measured[_memo_key(_Option(_PLAIN))] = anchor.plain_bytes
-        self._measured[_memo_key(_Option(least))] = anchor.least_bytes
+        for option, peak in ((_Option(_PLAIN), anchor.plain_bytes),
+                             (_Option(least), anchor.least_bytes)):
+            measured_peak(self.key, (self.mode, _memo_key(option)), lambda peak=peak: peak)
         if not anchor.helps:
             self.least = Solution(least.value, (), ())
 
@@ -160,23 +162,32 @@ class _Planning:
         return tuple(None if p == NO_POLICY else self.policies[p] for p in chosen)
 
     def measure(self, option: _Option) -> int:
-        """The peak of the step run by ``option``, measured (once)."""
-        key = _memo_key(option)
-        if key not in self._measured:
-            blocks = {"blocks": option.blocks} if option.blocks else {}
-            self._measured[key] = measure_plan(
-                self.graph, self.inputs, self.api, self.runner, option.solution.spans,
-                self.policies_of(option.solution.policies), mode=self.mode, **blocks)
-        return self._measured[key]
+        """The peak of the step run by ``option``, measured (once per profile)."""
+        blocks = {"blocks": option.blocks} if option.blocks else {}
+        return measured_peak(self.key, (self.mode, _memo_key(option)), lambda: measure_plan(
+            self.graph, self.inputs, self.api, self.runner, option.solution.spans,
+            self.policies_of(option.solution.policies), mode=self.mode, **blocks))
 
-    def inner_peaks(self) -> list[int]:
-        """The measured peak of each selection of blocks inside calls."""
-        return [self.measure(_Option(_PLAIN, refs)) for refs in self.inner]
+    def selections(self) -> list[_Option]:
+        """The plans a user could write, besides the planner's regions: the
+        model's own blocks (``apply_checkpointing(model, [Block])``), at the top
+        of the graph or inside its calls, and its pieces between residual joins
+        (blocks selected by layer-name prefix). A region plan must not lose to
+        them, so they are measured (see
+        docs/decisions/0021-least-plan-against-the-blocks.md)."""
+        options = []
+        if self.mode != "eager":  # eager region plans are predicted from exact readings
+            for spans in dict.fromkeys((block_spans(self.graph), segment_spans(self.graph))):
+                if spans and spans != self.least.spans:
+                    options.append(_Option(Solution(self.region_model.peak(spans), spans,
+                                                    (NO_POLICY,) * len(spans))))
+        return options + [_Option(_PLAIN, refs) for refs in self.inner]
 
     def min_budget(self) -> int:
-        """The least budget accepted: the least plan's predicted peak (or the
-        least measured selection of blocks inside calls), plus the headroom."""
-        least = min([self.predict(self.least.value), *self.inner_peaks()])
+        """The least budget accepted: the least peak of the least region plan
+        (predicted) and of the selections (measured), plus the headroom."""
+        least = min([self.predict(self.least.value),
+                     *(self.measure(option) for option in self.selections())])
         return min(int(math.ceil(least / (1 - _HEADROOM))), self.plain_peak)
 
     def plan(self, option: _Option, predicted: Optional[float] = None) -> ModelPlan:
@@ -221,16 +232,11 @@ def _least_plan(planning: _Planning) -> ModelPlan:
     if least.spans and planning.predict(planning.region_model.peak(
             least.spans, policies=least.policies)) >= planning.plain_peak:
         least = _PLAIN  # no better than plain (a model whose body is one call): plainly
-    options = [_Option(least)]
-    blocks = block_spans(planning.graph)
-    if planning.mode != "eager" and blocks and blocks != least.spans:
-        options.append(_Option(Solution(planning.region_model.peak(blocks), blocks,
-                                        (NO_POLICY,) * len(blocks))))
-    if len(options) == 1 and not planning.inner:
+    options = [_Option(least), *planning.selections()]
+    if len(options) == 1:
         chosen, peak = options[0], None
     else:
-        peaks = [planning.measure(option) for option in options] + planning.inner_peaks()
-        options += [_Option(_PLAIN, refs) for refs in planning.inner]
+        peaks = [planning.measure(option) for option in options]
         best = min(range(len(options)), key=lambda k: peaks[k])  # the first of equals
         chosen, peak = options[best], peaks[best]
     if not chosen.solution.spans and not chosen.blocks:
@@ -282,11 +288,12 @@ def _budget_plan(planning: _Planning, budget: int) -> ModelPlan:
         found, measured = _regions_within(planning, usable)
         return planning.plan(_Option(found if found is not None else planning.least),
                              predicted=measured)
-    # Only blocks inside calls fit: the one that keeps the most (recomputes least).
-    fitting = [(peak, refs) for peak, refs in zip(planning.inner_peaks(), planning.inner)
-               if peak <= usable]
-    peak, refs = max(fitting)
-    return planning.plan(_Option(_PLAIN, refs), predicted=peak)
+    # No region plan fits, a user's selection does: the one that keeps the most
+    # (recomputes least).
+    fitting = [(planning.measure(option), k, option)
+               for k, option in enumerate(planning.selections())]
+    peak, _, option = max(item for item in fitting if item[0] <= usable)
+    return planning.plan(option, predicted=peak)
 
 
 def _regions_within(planning: _Planning, usable: float) -> tuple[Optional[Solution],

@@ -12,7 +12,7 @@ planning another budget of the same model measures nothing again.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import keras
 import numpy as np
@@ -42,6 +42,17 @@ __all__: list[str] = []
 
 _profiles: dict[Any, tuple[Any, ChainProfile, GraphCosts]] = registered({})
 _choices: dict[Any, tuple[Any, PolicyChoices]] = registered({})
+# Measured steps of plans of a profiled model, per (profile key, plan): another budget
+# of the same model measures a plan once.
+_plan_peaks: dict[tuple[Any, Any], int] = registered({})
+
+
+def measured_peak(key: Any, plan: Any, measure: Callable[[], int]) -> int:
+    """The peak of ``plan``'s step on the model of profile ``key``: ``measure()``
+    the first time, then what it gave (until the profile is made again)."""
+    if (key, plan) not in _plan_peaks:
+        _plan_peaks[(key, plan)] = measure()
+    return _plan_peaks[(key, plan)]
 
 
 def calibrated(costs: GraphCosts, plain_peak: int) -> RegionModel:
@@ -69,6 +80,8 @@ def cached_profile(graph: LayerGraph, inputs: Any, mode: str,
     if key not in _profiles:
         _profiles[key] = (graph.model, *_profile(graph, inputs, mode=mode, api=api))
         forget_model_anchor(key)  # a new profile (the id may be another model's now)
+        for stale in [k for k in _plan_peaks if k[0] == key]:
+            del _plan_peaks[stale]
         while len(_profiles) > _CACHE_SIZE:
             _profiles.pop(next(iter(_profiles)))
     return _profiles[key][1], _profiles[key][2]
