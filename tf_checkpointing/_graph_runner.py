@@ -317,16 +317,16 @@ def install(model: Any, *, plan: Optional[ModelPlan] = None, budget: Optional[Bu
         # same names are not enough where the plan knows what each call computes
         # (a Conv2D "stem" of other width, a slice h[:, :1] for h[:, :64]).
         fits = (plan.call_kinds == graph.kinds() if plan.call_kinds
-                else names == plan.call_names)
+                else names == plan.names)
         if not fits:
-            same = names == plan.call_names
-            named = ("" if len(names) != len(plan.call_names)
+            same = names == plan.names
+            named = ("" if len(names) != len(plan.names)
                      else " with the same names" if same else " with other names")
             computed = ("" if not plan.call_kinds else
                         f" {'but' if same else 'and'} other layers, arguments or connections")
             raise ValueError(
                 f"{_API}: argument `plan` was made for another model: it has "
-                f"{len(plan.call_names)} layer calls, `{model.name}` has {len(names)}{named}"
+                f"{len(plan.names)} layer calls, `{model.name}` has {len(names)}{named}"
                 f"{computed}. "
                 "Make the plan with plan_model(model, inputs, budget=...) on this model."
             )

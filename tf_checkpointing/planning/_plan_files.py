@@ -90,7 +90,7 @@ def read_plan(folder: Any, key: str, graph: LayerGraph, api: str) -> Optional[Mo
         if saved.get("key") != key:
             raise ValueError("it was saved for another planning question")
         plan = ModelPlan.from_config(saved["plan"])
-        if plan.call_names != tuple(call.name for call in graph.calls):
+        if plan.names != tuple(call.name for call in graph.calls):
             raise ValueError("its layer calls are not this model's")
     except (OSError, ValueError, KeyError, TypeError) as error:
         warnings.warn(
