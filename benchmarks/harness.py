@@ -13,7 +13,7 @@ forward and backward under a `tf.GradientTape`, on the same batch:
    update; dropout seed states must be equal). This call also traces / compiles.
 2. timing: `repeats` rounds; in each round every strategy runs one step, in turn,
    so that load from other processes hits all strategies alike. Each step is timed
-   and its peak memory read with `tf_checkpointing.measure`. Reported:
+   and its peak memory read with `tf_checkpointing.debug.measure`. Reported:
    median time, median peak (peaks scatter by a few MiB from step to step because
    independent ops run in parallel in varying order), and the time ratio to plain as the median over
    rounds of (this step / plain's step in the same round), with its quartiles.
@@ -47,8 +47,8 @@ import tensorflow as tf
 
 from benchmarks.models import Workload
 from benchmarks.strategies import STRATEGIES
-from tf_checkpointing import ChainedOutputWarning, measure
 from tf_checkpointing.core._memory import grow_cpu_pool
+from tf_checkpointing.debug import ChainedOutputWarning, measure
 
 # The U-Net's down blocks return (pooled, skip) with pooled computed from skip. The
 # benchmark takes gradients for the weights only, never for a block's output, so the

@@ -176,7 +176,7 @@ def _half_budget(policies: Any) -> Callable[[list, dict], Chain]:
         mode = options.get("mode", "eager")
         choice = ([POLICIES[name]() for name in policies]
                   if isinstance(policies, tuple) else policies)
-        roomy = tf_checkpointing.plan_sequential(  # the chain's plain peak, measured
+        roomy = tf_checkpointing.plans.plan_sequential(  # the chain's plain peak, measured
             blocks, options["sample_state"], budget=2**50, mode=mode, training=True)
         wanted = int(POLICY_PLAN_FRACTION * options["plain_peak_bytes"])
         # The stem and head's share (never negative: the chain's profile may read a
@@ -244,7 +244,7 @@ def _budget_plan(blocks: list, options: dict) -> Chain:
         return sequential
 
     wanted = options["plan_budget_bytes"]
-    least = tf_checkpointing.plan_sequential(  # the same profile the layer's call finds
+    least = tf_checkpointing.plans.plan_sequential(  # the same profile the layer's call finds
         blocks, options["sample_state"], budget=2**50, mode=options.get("mode", "eager"),
         training=True).min_budget_bytes or 0
     sequential = planned(max(wanted, least))

@@ -22,7 +22,7 @@ def start_tensorflow() -> None:
     is passed on).
 
     ``TF_CPU_ALLOCATOR_USE_BFC=true``: CPU memory statistics that count every
-    allocation, which ``tf_checkpointing.measure`` reads. ``TF_CPP_MIN_LOG_LEVEL=3``:
+    allocation, which ``tf_checkpointing.debug.measure`` reads. ``TF_CPP_MIN_LOG_LEVEL=3``:
     no C++ log lines after start-up (a level you set is kept).
     """
     os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
@@ -52,7 +52,7 @@ def measured_step(model: Any, x: Any, y: Any, batch_size: int) -> dict[str, floa
     Returns that step's peak in MiB above what was allocated before it
     (``peak_mib``), and the loss of each step (``first_loss``, computed before
     any update, and ``loss``)."""
-    from tf_checkpointing import measure
+    from tf_checkpointing.debug import measure
 
     first_x = ({k: v[:batch_size] for k, v in x.items()} if isinstance(x, dict)
                else x[:batch_size])

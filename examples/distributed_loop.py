@@ -40,7 +40,8 @@ start_tensorflow()  # exact CPU memory statistics, no start-up noise
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from tf_checkpointing import checkpointable, measure  # noqa: E402
+from tf_checkpointing import checkpointable  # noqa: E402
+from tf_checkpointing.debug import measure  # noqa: E402
 
 
 class Block(keras.layers.Layer):

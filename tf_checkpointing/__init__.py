@@ -6,6 +6,10 @@ gives exact gradients.
     @checkpointable(checkpoint=True)
     def block(x, training=None): ...
 
+The public API is ``__all__`` below, with two submodules of its own:
+:mod:`tf_checkpointing.plans` (plans and the planners that make them) and
+:mod:`tf_checkpointing.debug` (measuring memory, listing what a gradient keeps).
+
 The package has three floors, each importing only the ones below it: the replay
 core (:mod:`tf_checkpointing.core`: one checkpointed call and what keeps its
 replay exact), planning (:mod:`tf_checkpointing.planning`: profiles in, a plan
@@ -17,6 +21,8 @@ take effect (see :mod:`tf_checkpointing._cpu_statistics`).
 """
 
 import sys
+import warnings
+from typing import Any
 
 from tf_checkpointing import _cpu_statistics
 
@@ -33,42 +39,62 @@ if getattr(sys, "orig_argv", [])[-2:] == ["-m", "tf_checkpointing"] and (
 
 # ruff: noqa: E402 - the allocator is arranged before TensorFlow is used
 
-from tf_checkpointing import policies
+from tf_checkpointing import debug, plans, policies
 from tf_checkpointing._decorator import checkpointable
 from tf_checkpointing._keras import apply_checkpointing
 from tf_checkpointing._remat_scope import RematScope
-from tf_checkpointing._sequential import checkpoint_sequential, plan_sequential
+from tf_checkpointing._sequential import checkpoint_sequential
 from tf_checkpointing._sequential_layer import CheckpointedSequential
 from tf_checkpointing._version import __version__ as __version__
 from tf_checkpointing._whole_model import plan_model
-from tf_checkpointing.core._errors import ChainedOutputWarning, ReplayMismatchError
+from tf_checkpointing.core._errors import ReplayMismatchError
 from tf_checkpointing.core._flags import is_checkpointing, is_recomputing
-from tf_checkpointing.core._memory import MemoryStats, measure
-from tf_checkpointing.core._residuals import Residual, print_saved_residuals, saved_residuals
 from tf_checkpointing.core._save_policies import checkpoint_name
-from tf_checkpointing.planning._plan import ModelPlan, Plan, Segment, SequentialPlan
+from tf_checkpointing.planning._plan import ModelPlan
 
 __all__ = [
-    "ChainedOutputWarning",
     "CheckpointedSequential",
-    "MemoryStats",
     "ModelPlan",
-    "Plan",
     "RematScope",
     "ReplayMismatchError",
-    "Residual",
-    "Segment",
-    "SequentialPlan",
     "apply_checkpointing",
     "checkpoint_name",
     "checkpoint_sequential",
     "checkpointable",
+    "debug",
     "is_checkpointing",
     "is_recomputing",
-    "measure",
     "plan_model",
-    "plan_sequential",
+    "plans",
     "policies",
-    "print_saved_residuals",
-    "saved_residuals",
 ]
+
+# Names that moved to a submodule in 0.2: importable from here until 0.3, with a warning.
+_MOVED = {
+    **dict.fromkeys(["Plan", "Segment", "SequentialPlan", "plan_sequential"], plans),
+    **dict.fromkeys(["ChainedOutputWarning", "MemoryStats", "Residual", "measure",
+                     "print_saved_residuals", "saved_residuals"], debug),
+}
+
+
+def __getattr__(name: str) -> Any:
+    """The names that moved to :mod:`tf_checkpointing.plans` and
+    :mod:`tf_checkpointing.debug`, and ``peak_memory``, with a ``DeprecationWarning``
+    that names their new place (PEP 562)."""
+    if name == "peak_memory":
+        advice = ("`tf_checkpointing.peak_memory(fn)` is deprecated and will be removed in "
+                  "tf_checkpointing 0.3: use `tf_checkpointing.debug.measure(fn).peak_bytes`, "
+                  "which returns the same number.")
+        module = debug
+    elif name in _MOVED:
+        module = _MOVED[name]
+        advice = (f"`tf_checkpointing.{name}` moved to `{module.__name__}.{name}`; import it "
+                  f"from there (`from {module.__name__} import {name}`). The old place "
+                  "will be removed in tf_checkpointing 0.3.")
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    # `from tf_checkpointing import name` asks twice: importlib's hasattr, then the
+    # import itself; warn once, at the second.
+    if sys._getframe(1).f_code.co_name != "_handle_fromlist":
+        warnings.warn(advice, DeprecationWarning, stacklevel=2)
+    return getattr(module, name)

@@ -185,7 +185,7 @@ def plan_sequential(layers: Any, inputs: Any, *, budget: Union[float, str],
     Example (on CPU, with ``TF_CPU_ALLOCATOR_USE_BFC=true`` set before TensorFlow
     is imported):
         >>> import keras, tensorflow as tf
-        >>> from tf_checkpointing import plan_sequential
+        >>> from tf_checkpointing.plans import plan_sequential
         >>> layers = [keras.layers.Dense(64, activation="relu") for _ in range(16)]
         >>> x = tf.random.normal([1024, 64])
         >>> plan = plan_sequential(layers, x, budget=4 * 2**20)

@@ -94,7 +94,7 @@ def worker(budget: str, xla: bool, size: int, batch: int, stop: Optional[str]) -
     model = keras.Model(inputs, body(inputs))
     model.compile(keras.optimizers.SGD(1e-3), "categorical_crossentropy", jit_compile=xla)
     model.fit(x, y, batch_size=batch, epochs=1, verbose=0)  # traced and planned
-    peak = tc.measure(lambda: model.train_on_batch(x, y)).peak_bytes
+    peak = tc.debug.measure(lambda: model.train_on_batch(x, y)).peak_bytes
     row: dict[str, Any] = dict(budget=budget, xla=xla, pieces=len(chain), size=size,
                                batch=batch, peak_mib=peak / MIB)
     plan = getattr(body, "plan", None)

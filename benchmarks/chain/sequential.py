@@ -63,7 +63,8 @@ with _cli.quiet_start_up():
     import tensorflow as tf  # noqa: E402
 
 from benchmarks.report import MIB, environment, table, write_json  # noqa: E402
-from tf_checkpointing import checkpoint_sequential, checkpointable, plan_sequential  # noqa: E402
+from tf_checkpointing import checkpoint_sequential, checkpointable  # noqa: E402
+from tf_checkpointing.plans import plan_sequential  # noqa: E402
 
 DEVICE = "CPU:0"
 TARGETS = {

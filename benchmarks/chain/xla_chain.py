@@ -2,7 +2,7 @@
 
 24 `Dense(256, activation="gelu")` layers, batch 4096, one training step (loss: the
 mean of the output squared, gradients for every weight) under
-`tf.function(jit_compile=True)`, its peak read with `tf_checkpointing.measure`. Both
+`tf.function(jit_compile=True)`, its peak read with `tf_checkpointing.debug.measure`. Both
 chains start from the same weights; the gradients are compared too. Target: the
 checkpointed peak at most half the plain one. The script runs on any TensorFlow the
 package accepts, which is what it is for: `.ci/oldest_tf` runs the test suite on the
@@ -64,7 +64,7 @@ def step_of(layers: list):
 
 def peak_mib(step, x) -> tuple[float, list]:
     step(x)  # compiles: the measured call runs the compiled step alone
-    stats = tc.measure(step, x)
+    stats = tc.debug.measure(step, x)
     return stats.peak_mib, [g.numpy() for g in stats.result]
 
 

@@ -106,7 +106,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     _apply(model, spec)
     step = training_step(model, keras.optimizers.SGD(1e-3), spec.get("jit", False))
     step(x).numpy()  # trace (and plan) outside the measurement
-    peaks = [tc.measure(lambda: step(x).numpy()).peak_bytes / MIB
+    peaks = [tc.debug.measure(lambda: step(x).numpy()).peak_bytes / MIB
              for _ in range(spec["steps"])]
     if spec.get("tensors"):
         peaks.append(requested_peak(lambda: step(x).numpy()) / MIB)

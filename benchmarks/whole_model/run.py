@@ -105,7 +105,7 @@ def worker(name: str, tiny: bool, budgets: int, only: str = "", rounds: int = 7)
         peaks = fresh_peaks(name, tiny, dict(spec, jit=jit, batch=_batch(inputs)),
                             1 if tiny else PEAK_STEPS, tensors=not tiny)
         tensor_mib = None if tiny else peaks.pop()
-        shared = [tc.measure(lambda: step(inputs).numpy()).peak_bytes / MIB
+        shared = [tc.debug.measure(lambda: step(inputs).numpy()).peak_bytes / MIB
                   for _ in range(1 if tiny else 3)]
         times = []
         for _ in range(1 if tiny else 3):

@@ -161,7 +161,7 @@ SCRIPT = textwrap.dedent("""
         return tape.gradient(loss, [u, s] + conv.trainable_variables)
 
     step(u, s)
-    print(json.dumps([tc.measure(lambda: [g.numpy() for g in step(u, s)]).peak_bytes
+    print(json.dumps([tc.debug.measure(lambda: [g.numpy() for g in step(u, s)]).peak_bytes
                       for _ in range(12)]))
 """)
 

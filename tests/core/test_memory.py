@@ -137,7 +137,7 @@ def test_without_bfc_measure_raises_and_says_how_to_enable():
     code = textwrap.dedent("""
         import tensorflow as tf
         tf.zeros([16 * 2**20]) + 1.0     # a large allocation: TF 2.21 then tracks large ones
-        from tf_checkpointing import measure
+        from tf_checkpointing.debug import measure
         try:
             peak = measure(lambda: tf.reduce_sum(tf.zeros([16 * 2**20]))).peak_bytes
         except RuntimeError as error:

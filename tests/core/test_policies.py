@@ -11,8 +11,9 @@ import tensorflow as tf
 from conftest import compile_step
 from helpers import assert_all_close
 
-from tf_checkpointing import checkpoint_name, checkpointable, policies, saved_residuals
+from tf_checkpointing import checkpoint_name, checkpointable, policies
 from tf_checkpointing.core._residuals import _executed  # the ops a tf.function runs
+from tf_checkpointing.debug import saved_residuals
 
 DOTS = ("MatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum")
 

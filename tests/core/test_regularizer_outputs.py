@@ -59,7 +59,7 @@ def test_a_function_returning_a_regularized_output_is_flagged_as_feeding_its_los
     block = regularized_block(dense)
     plain = _grads(dense, dense, dense.trainable_variables, mode)
     _structure._warned_chained.discard("regularized_block.<locals>.regularized")
-    with pytest.warns(tc.ChainedOutputWarning, match=r"output\(s\) \[0\].*computed a loss "
+    with pytest.warns(tc.debug.ChainedOutputWarning, match=r"output\(s\) \[0\].*computed a loss "
                       r"it added.*would miss the path through the added loss.*"
                       r"checkpointable\(layer\)"):
         ours = _grads(block, dense, dense.trainable_variables, mode)
@@ -98,7 +98,7 @@ def test_a_region_whose_model_output_feeds_its_loss_says_so(stop, message):
     flagged for that output."""
     model = _two_outputs()
     least = tc.plan_model(model, X, budget="min", mode="eager")
-    assert least.call_names[0] == "reg"
+    assert least.names[0] == "reg"
     plan = with_spans(least, ((0, stop, ()),))
     tc.apply_checkpointing(model, plan=plan, check=True)
     with pytest.raises(ValueError, match=message), tf.GradientTape():

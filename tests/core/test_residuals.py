@@ -6,13 +6,8 @@ import pytest
 import tensorflow as tf
 from helpers import run_script
 
-from tf_checkpointing import (
-    checkpoint_name,
-    checkpointable,
-    policies,
-    print_saved_residuals,
-    saved_residuals,
-)
+from tf_checkpointing import checkpoint_name, checkpointable, policies
+from tf_checkpointing.debug import print_saved_residuals, saved_residuals
 
 
 def _activations(residuals):
@@ -96,7 +91,8 @@ ALLOCATOR_CASES = {"plain": (None, False), "replayed": (None, True),
 LISTED_AND_HELD = f"""
 import json
 from benchmarks import models
-from tf_checkpointing import checkpointable, policies, saved_residuals
+from tf_checkpointing import checkpointable, policies
+from tf_checkpointing.debug import saved_residuals
 from tf_checkpointing.core._residuals import held_bytes
 
 found = {{}}

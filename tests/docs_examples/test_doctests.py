@@ -38,8 +38,11 @@ RESULT_TYPES = {"MemoryStats": "measure", "Segment": "plan_sequential",
 
 
 def test_the_public_api_has_examples():
-    """Each public function and class documents a runnable example."""
-    missing = [name for name in tf_checkpointing.__all__
-               if ">>>" not in (getattr(tf_checkpointing, RESULT_TYPES.get(name, name)).__doc__
-                                or "")]
+    """Each public function, class and module (top level, `plans` and `debug`) documents
+    a runnable example."""
+    from tf_checkpointing import debug, plans
+
+    missing = [f"{module.__name__}.{name}"
+               for module in (tf_checkpointing, plans, debug) for name in module.__all__
+               if ">>>" not in (getattr(module, RESULT_TYPES.get(name, name)).__doc__ or "")]
     assert not missing, f"no docstring example: {missing}"

@@ -65,7 +65,7 @@ def test_no_tape_calls_the_function_directly():
 # The outputs `parts` and `extra` are computed from the output `h`: gradients with
 # respect to the inputs and `w`, which this test takes, are exact; the warning is
 # about tape.gradient(loss, h), tested in test_chained_outputs.py.
-@pytest.mark.filterwarnings("ignore::tf_checkpointing.ChainedOutputWarning")
+@pytest.mark.filterwarnings("ignore::tf_checkpointing.debug.ChainedOutputWarning")
 def test_nested_structures_in_arguments_and_outputs(mode):
     w = tf.Variable([[1.0, 2.0], [3.0, -1.0]], name="w")
 

@@ -185,7 +185,7 @@ def measured(budget):
     model = model_of(body, width=32, image=64)
     step = make_step(model)
     step(x)
-    peaks = sorted(tc.measure(lambda: step(x).numpy()).peak_bytes for _ in range(3))
+    peaks = sorted(tc.debug.measure(lambda: step(x).numpy()).peak_bytes for _ in range(3))
     return peaks, getattr(body, "plan", None)
 
 plain, _ = measured(None)

@@ -11,12 +11,13 @@ import pytest
 import tensorflow as tf
 from helpers import Counter, assert_all_close, grads_of
 
-from tf_checkpointing import CheckpointedSequential, checkpoint_sequential, plan_sequential
+from tf_checkpointing import CheckpointedSequential, checkpoint_sequential
 from tf_checkpointing.planning import _rotor
 from tf_checkpointing.planning._chain_model import predict_peak
 from tf_checkpointing.planning._layer_profile import ChainProfile, LayerProfile
 from tf_checkpointing.planning._plan import Segment, SequentialPlan
 from tf_checkpointing.planning._rotor import _inner, solve
+from tf_checkpointing.plans import plan_sequential
 
 MIB = 2**20
 
@@ -286,7 +287,7 @@ def test_str_names_each_number_for_what_it_is():
     """The least budget accepted is above the least plan's predicted peak (plans keep
     headroom): the summary says so instead of printing the two side by side, and a
     replay of small layers is timed in µs, not "0.0 ms"."""
-    from tf_checkpointing import Segment, SequentialPlan
+    from tf_checkpointing.plans import Segment, SequentialPlan
 
     mib = 2**20
     plan = SequentialPlan(names=("a", "b", "c"), mode="graph", budget_bytes="min",

@@ -12,18 +12,14 @@ from conftest import compile_step
 from helpers import assert_all_close, ran_in_fresh_process
 from test_planner import _synthetic
 
-from tf_checkpointing import (
-    CheckpointedSequential,
-    checkpoint_sequential,
-    plan_sequential,
-    policies,
-)
+from tf_checkpointing import CheckpointedSequential, checkpoint_sequential, policies
 from tf_checkpointing._sequential import run_plan
 from tf_checkpointing.planning import _rotor
 from tf_checkpointing.planning._chain_model import extra_seconds, fitted_chain, predict_peak
 from tf_checkpointing.planning._choices import PolicyChoices, expect_policies
 from tf_checkpointing.planning._plan import Segment, SequentialPlan
 from tf_checkpointing.planning._rotor import _inner, solve
+from tf_checkpointing.plans import plan_sequential
 
 DOTS, NO_BATCH = policies.dots_saveable, policies.dots_with_no_batch_dims_saveable
 
@@ -274,7 +270,7 @@ def test_policies_round_trip_through_the_config_and_a_keras_file(tmp_path):
 def test_a_plan_with_policies_keeps_its_budget(request):
     if ran_in_fresh_process(request):
         return
-    from tf_checkpointing import measure
+    from tf_checkpointing.debug import measure
 
     blocks, _ = _blocks(n=8, width=256)
     x = tf.random.stateless_normal([512, 256], seed=[5, 6])

@@ -8,9 +8,10 @@ import tensorflow as tf
 from conftest import compile_step
 from helpers import Counter, assert_all_close, ran_in_fresh_process
 
-from tf_checkpointing import CheckpointedSequential, checkpoint_sequential, plan_sequential
+from tf_checkpointing import CheckpointedSequential, checkpoint_sequential
 from tf_checkpointing._sequential import run_plan
 from tf_checkpointing.planning._plan import Segment, SequentialPlan
+from tf_checkpointing.plans import plan_sequential
 
 MIB = 2**20
 

@@ -89,7 +89,7 @@ def test_gradients_and_state_equal_plain(name, mode):
         # allocator's noise (a fresh clone's CI once got 0.06 MiB predicted against
         # 0.05 plain for the U-Net), and what is tested here is the replay. Two
         # regions, the first call and the rest but the last, then.
-        n = len(plan.call_names)
+        n = len(plan.names)
         plan = with_spans(plan, ((0, 1, ()), (1, n - 1, ())))
     replays = _count_replays(model)
     assert tc.apply_checkpointing(model, plan=plan) == [model]
@@ -108,7 +108,7 @@ def test_gradients_and_state_equal_plain(name, mode):
         # Under XLA, plain pieces holding a filter run as regions that save
         # everything (their backward reads the filters late): their layers run again.
         for piece in plan.pieces:
-            names = plan.call_names[piece.start:piece.stop]
+            names = plan.names[piece.start:piece.stop]
             if not piece.checkpointed and any(
                     len(w.shape) >= 3 for n in names for w in by_name[n].weights):
                 in_regions |= set(names)
@@ -247,7 +247,7 @@ def test_a_plan_runs_another_instance_of_the_same_architecture():
     keras.utils.set_random_seed(0)
     second = unet()
     second.set_weights(first.get_weights())
-    assert plan.regions and [c for c in plan.call_names if c not in
+    assert plan.regions and [c for c in plan.names if c not in
                            {layer.name for layer in second.layers}]
     tc.apply_checkpointing(second, plan=plan)
     expected = grads_of(lambda x: first(x, training=True), [x], first.trainable_variables,
@@ -301,7 +301,7 @@ def test_xla_plans_are_scaled_to_the_measured_xla_step():
     keras.utils.set_random_seed(0)
     layers = [keras.layers.Dense(64, activation="relu") for _ in range(6)]
     x = tf.random.normal([256, 64])
-    plan = tc.plan_sequential(layers, x, budget=2**30, mode="xla")
+    plan = tc.plans.plan_sequential(layers, x, budget=2**30, mode="xla")
     assert plan.profile.compiled and plan.profile.xla
     model = residual_net(count=False)
     assert tc.plan_model(model, tf.random.normal([2, 8, 8, 3]), budget="min",
@@ -404,10 +404,10 @@ def test_nested_regions_equal_plain(mode):
     for variable, value in zip(model.variables, before):
         variable.assign(value)
     least = tc.plan_model(model, inputs[0], budget="min", mode="eager")
-    n = len(least.call_names)  # stem, 3 x (conv bn relu drop count add), pool, head
+    n = len(least.names)  # stem, 3 x (conv bn relu drop count add), pool, head
     spans = ((1, n - 2, ((1, 7, ()), (7, 13, ()))),)
     plan = with_spans(least, spans)
-    assert plan.regions[0][0] == list(least.call_names[1:7])
+    assert plan.regions[0][0] == list(least.names[1:7])
     assert plan.extra_forward_layers == (n - 3) + 12
     tc.apply_checkpointing(model, plan=plan)
     ours = _run(model, inputs, mode)
@@ -436,7 +436,7 @@ def test_region_outputs_that_feed_later_ones_inside_the_model_are_not_flagged(na
     plan = tc.plan_model(model, x, budget="min", mode="eager")
     tc.apply_checkpointing(model, plan=plan, check=True)
     with warnings.catch_warnings():
-        warnings.simplefilter("error", tc.ChainedOutputWarning)
+        warnings.simplefilter("error", tc.debug.ChainedOutputWarning)
         ours = _run(model, inputs, "graph")
     assert_all_close(ours[1], plain[1], atol=1e-5)
 
@@ -453,7 +453,7 @@ def test_a_model_output_that_feeds_another_in_one_region_is_flagged():
     inputs = tf.random.stateless_normal([64, 6], [0, 6])
     model(inputs)
     plan = tc.plan_model(model, inputs, budget="min", mode="eager")
-    assert plan.call_names[:3] == ("h", "y1", plan.call_names[2]), plan.call_names
+    assert plan.names[:3] == ("h", "y1", plan.names[2]), plan.names
     plan = with_spans(plan, ((0, 3, ()),))  # h, y1 and the next Dense
     tc.apply_checkpointing(model, plan=plan, check=True)
     with pytest.raises(ValueError, match=r"output\(s\) \[0\].*would miss the path"):
@@ -516,7 +516,7 @@ def test_force_seed_with_nested_regions_runs_eagerly():
     model, inputs = MODELS["nested"][0](), MODELS["nested"][1]()
     model(inputs[0])
     least = tc.plan_model(model, inputs[0], budget="min", mode="eager")
-    n = len(least.call_names)
+    n = len(least.names)
     nested_plan = with_spans(least, ((0, n, ((0, n - 1, ()),)),))
     before = [v.numpy() for v in model.variables]
     plain = _run(model, inputs, "eager")
@@ -533,4 +533,4 @@ def test_a_nested_model_is_expanded_into_its_layers():
     keras.utils.set_random_seed(0)
     model = MODELS["nested"][0]()
     plan = tc.plan_model(model, MODELS["nested"][1]()[0], budget="min", mode="eager")
-    assert "inner" not in plan.call_names and "seq" not in plan.call_names, plan.call_names
+    assert "inner" not in plan.names and "seq" not in plan.names, plan.names

@@ -49,7 +49,7 @@ def test_regions_over_frozen_layers_equal_plain(mode):
     for variable, value in zip(model.variables, before):
         variable.assign(value)
     plan = tc.plan_model(model, x, budget="min", mode="eager")
-    names = list(plan.call_names)
+    names = list(plan.names)
     # A region of frozen calls only, one from frozen into trainable calls, one of
     # trainable calls only.
     spans = ((0, names.index("add0") + 1, ()),
@@ -82,7 +82,7 @@ def measured(plan):
         tc.apply_checkpointing(model, plan=plan)
     step = make_step(model)
     step(x)
-    return sorted(tc.measure(lambda: step(x).numpy()).peak_bytes for _ in range(3)), plan
+    return sorted(tc.debug.measure(lambda: step(x).numpy()).peak_bytes for _ in range(3)), plan
 
 plain, _ = measured(None)
 peaks, plan = measured("plan")
@@ -123,14 +123,14 @@ model = partly_frozen(frozen_blocks=4, blocks=6, width=64, image=32)
 model(x)
 step = make_step(model)
 step(x)
-plain = sorted(tc.measure(lambda: step(x).numpy()).peak_bytes for _ in range(3))
+plain = sorted(tc.debug.measure(lambda: step(x).numpy()).peak_bytes for _ in range(3))
 # One region from the input over the stem and the four frozen blocks (calls 0-20)
 # into the first trainable block's Conv-BN-ReLU-Dropout (21-24).
 names = tuple(layer.name for layer in model.layers[1:])
 tc.apply_checkpointing(model, plan=plan_of(names, ((0, 25, ()),)))
 step = make_step(model)
 step(x)
-region = sorted(tc.measure(lambda: step(x).numpy()).peak_bytes for _ in range(3))
+region = sorted(tc.debug.measure(lambda: step(x).numpy()).peak_bytes for _ in range(3))
 print("RESULT", json.dumps({"plain": plain[1], "region": region[1]}))
 """
 

@@ -48,7 +48,7 @@ def test_gpt2_blocks_replayed_under_policies_equal_plain(mode):
         variable.assign(value)
     # The layer calls, as the planner reads them (an eager profile is the cheapest).
     least = tc.plan_model(model, x, budget="min", mode="eager")
-    names = list(least.call_names)
+    names = list(least.names)
     blocks = [names.index(f"transformer_layer_{i}") for i in range(3)]
     plan = with_spans(least, tuple((b, b + 1, ()) for b in blocks),
                       (policies.dots_saveable, policies.dots_with_no_batch_dims_saveable, None),
@@ -60,5 +60,5 @@ def test_gpt2_blocks_replayed_under_policies_equal_plain(mode):
     assert_all_close(ours[2], plain[2])  # the seed generators advanced as plain's
     assert any(not np.array_equal(a, b) for a, b in zip(plain[2], before))
     if mode == "graph":  # the runner passed the policies: the blocks keep their products
-        kept = tc.saved_residuals(lambda x: model(x, training=True), x)
+        kept = tc.debug.saved_residuals(lambda x: model(x, training=True), x)
         assert any(r.why == "kept by the save policy" for r in kept), kept

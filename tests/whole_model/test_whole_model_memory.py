@@ -37,7 +37,7 @@ SCRIPT = STEP + textwrap.dedent("""
         step = make_step(model)
         step(x)
         # The executor's op order moves a step's peak: three steps, each peak kept.
-        return sorted(tc.measure(lambda: step(x).numpy()).peak_bytes for _ in range(3)), model
+        return sorted(tc.debug.measure(lambda: step(x).numpy()).peak_bytes for _ in range(3)), model
 
     plans = {}
 
@@ -92,7 +92,7 @@ TOKENS_SCRIPT = STEP + textwrap.dedent("""
     x = tf.random.uniform([16, 64], 0, 100, tf.int32)
     model(x)
     least = plan_model(model, x, budget="min", mode="graph")
-    names = list(least.call_names)
+    names = list(least.names)
     # The first region's inputs are all integer (the token ids): the embedding
     # and the first block; then one region per block.
     blocks = [i + 1 for i, n in enumerate(names) if n.startswith("add")]
@@ -102,7 +102,7 @@ TOKENS_SCRIPT = STEP + textwrap.dedent("""
     step = make_step(model)
     step(x)
     # The least of a few steps: the executor's op order moves the peak by a few MiB.
-    peak = min(tc.measure(lambda: step(x).numpy()).peak_bytes for _ in range(5))
+    peak = min(tc.debug.measure(lambda: step(x).numpy()).peak_bytes for _ in range(5))
     print("RESULT", json.dumps({"peak": peak, "block_kept": 16 * 64 * 1024 * 4}))
 """)
 
@@ -138,13 +138,13 @@ TWO_OUTPUTS_SCRIPT = STEP + textwrap.dedent("""
     model = keras.Model(x_in, keras.layers.Add(name="out")([h, skip]))
     x = tf.random.normal([16, 32, 32, 32])
     model(x)
-    names = list(plan_model(model, x, budget="min", mode="graph").call_names)
+    names = list(plan_model(model, x, budget="min", mode="graph").names)
     cut = names.index("b_conv0")
     spans = ((0, cut, ()), (cut, names.index("out"), ()))
     tc.apply_checkpointing(model, plan=plan_of(tuple(names), spans))
     step = make_step(model)
     step(x)
-    peak = min(tc.measure(lambda: step(x).numpy()).peak_bytes for _ in range(3))
+    peak = min(tc.debug.measure(lambda: step(x).numpy()).peak_bytes for _ in range(3))
     print("RESULT", json.dumps({"peak": peak, "tensor": 16 * 32 * 32 * 32 * 4}))
 """)
 
@@ -185,7 +185,7 @@ OUTPUT_GRADIENT_SCRIPT = STEP + textwrap.dedent("""
 
     def peak():
         step(x)
-        return min(tc.measure(lambda: step(x).numpy()).peak_bytes for _ in range(3))
+        return min(tc.debug.measure(lambda: step(x).numpy()).peak_bytes for _ in range(3))
 
     plain = peak()
     names = tuple(layer.name for layer in model.layers[1:])
@@ -261,7 +261,7 @@ WEIGHTS_SCRIPT = STEP + textwrap.dedent("""
     tc.apply_checkpointing(model, plan=plan)
     step = make_step(model)
     step(x)
-    peaks = sorted(tc.measure(lambda: step(x).numpy()).peak_bytes for _ in range(5))
+    peaks = sorted(tc.debug.measure(lambda: step(x).numpy()).peak_bytes for _ in range(5))
     print("RESULT", json.dumps({"predicted": plan.predicted_peak_bytes, "median": peaks[2],
                                 "kernel": 1024 * 1024 * 4}))
 """)

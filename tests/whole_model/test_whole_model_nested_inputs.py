@@ -143,7 +143,7 @@ def test_nested_inputs_converted_as_keras_does(build, mode):
     model(x)
     plain = _run(model, x, mode)
     least = tc.plan_model(model, x, budget="min", mode="eager")
-    whole = dataclasses.replace(least, pieces=(tc.Segment(0, len(least.names), True),))
+    whole = dataclasses.replace(least, pieces=(tc.plans.Segment(0, len(least.names), True),))
     for plan in (least, whole):
         tc.apply_checkpointing(model, plan=plan)
         ours = _run(model, x, mode)

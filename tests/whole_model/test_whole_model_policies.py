@@ -57,7 +57,7 @@ def test_a_plan_replaying_regions_under_policies_equals_plain(mode):
     plain = _run(model, x, mode)
     for variable, value in zip(model.variables, before):
         variable.assign(value)
-    names = [call.name for call in read_graph(model, "test").calls]  # a plan's call_names
+    names = [call.name for call in read_graph(model, "test").calls]  # a plan's names
     cut = [names.index(f"add{i}") + 1 for i in range(3)]
     # Block 0 under dots_saveable, block 1 under JAX's no-batch-dims choice,
     # block 2 fully replayed; the BatchNorm in the first region.
@@ -72,7 +72,7 @@ def test_a_plan_replaying_regions_under_policies_equals_plain(mode):
     assert_all_close(ours[2], plain[2], atol=1e-5)
     assert any(not np.array_equal(a, b) for a, b in zip(plain[2], before))
     # The runner passed the policies: the regions keep the products they picked.
-    kept = tc.saved_residuals(lambda x: model(x, training=True), x)
+    kept = tc.debug.saved_residuals(lambda x: model(x, training=True), x)
     assert any(r.why == "kept by the save policy" for r in kept), kept
     assert "checkpointed with dots_saveable" in str(plan)
     assert "checkpointed with dots_with_no_batch_dims_saveable" in str(plan)
@@ -205,7 +205,7 @@ def test_a_plan_with_policies_keeps_its_budget(request, monkeypatch):
         tc.apply_checkpointing(model, plan=plan)
         step = sgd_step(model)
         step(x)
-        peak = min(tc.measure(lambda step=step: step(x).numpy()).peak_bytes for _ in range(3))
+        peak = min(tc.debug.measure(lambda step=step: step(x).numpy()).peak_bytes for _ in range(3))
         results.append((fraction, peak / 2**20, budget / 2**20, str(plan)))
         assert peak <= budget, results
     assert any("checkpointed with" in r[3] for r in results), results

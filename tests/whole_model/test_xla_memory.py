@@ -29,7 +29,7 @@ LAYERS = textwrap.dedent("""
     import keras, tensorflow as tf
     import tf_checkpointing as tc
 
-    tc.measure(lambda: None).peak_bytes  # the first measurement grows the CPU pool
+    tc.debug.measure(lambda: None).peak_bytes  # the first measurement grows the CPU pool
 
     def layers():
         keras.utils.set_random_seed(0)
@@ -47,7 +47,7 @@ LAYERS = textwrap.dedent("""
 
         step = sgd_step(model, jit_compile=True)
         step(x)  # traced (and planned) outside the measurement
-        return tc.measure(lambda: step(x).numpy()).peak_bytes
+        return tc.debug.measure(lambda: step(x).numpy()).peak_bytes
 """)
 
 MODEL = LAYERS + textwrap.dedent("""
@@ -97,7 +97,7 @@ GROWN = textwrap.dedent("""
     import tf_checkpointing as tc
 
     # One 70 MiB tensor: a fresh pool would open a 128 MiB region for it, whole.
-    peak = tc.measure(lambda: tf.reduce_sum(tf.zeros([70 * 2**18]))).peak_bytes
+    peak = tc.debug.measure(lambda: tf.reduce_sum(tf.zeros([70 * 2**18]))).peak_bytes
     print(json.dumps(peak))
 """)
 

@@ -46,6 +46,6 @@ class ChainedOutputWarning(UserWarning):
 
     Example:
         >>> import warnings
-        >>> from tf_checkpointing import ChainedOutputWarning
+        >>> from tf_checkpointing.debug import ChainedOutputWarning
         >>> warnings.filterwarnings("ignore", category=ChainedOutputWarning)
     """

@@ -25,7 +25,7 @@ or from the shell: `TF_CPU_ALLOCATOR_USE_BFC=true python train.py`.
 
 Example:
     >>> import tensorflow as tf            # TF_CPU_ALLOCATOR_USE_BFC=true set before this
-    >>> from tf_checkpointing import measure
+    >>> from tf_checkpointing.debug import measure
     >>> def step():
     ...     x = tf.random.uniform([1024, 1024])      # 4 MiB
     ...     return tf.reduce_sum(x * 2.0)            # and 4 MiB more for x * 2
@@ -41,11 +41,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from typing import Any, Callable, Generic, Optional, TypeVar
 
 import tensorflow as tf
 
-__all__ = ["MemoryStats", "default_memory_device", "grow_cpu_pool", "measure",
+__all__ = ["MemoryStats", "default_memory_device", "grow_cpu_pool", "measure", "peak_memory",
            "statistics_status"]
 
 T = TypeVar("T")
@@ -125,7 +126,7 @@ def measure(fn: Callable[..., T], *args: Any, device: Optional[str] = None,
 
     Example:
         >>> import tensorflow as tf            # TF_CPU_ALLOCATOR_USE_BFC=true set before this
-        >>> from tf_checkpointing import measure
+        >>> from tf_checkpointing.debug import measure
         >>> stats = measure(lambda n: tf.reduce_sum(tf.random.uniform([n, 1024])), 1024)
         >>> stats.peak_bytes >= 4 * 2**20, float(stats.result) > 0.0
         (True, True)
@@ -156,6 +157,28 @@ def measure(fn: Callable[..., T], *args: Any, device: Optional[str] = None,
         raise RuntimeError(_unavailable_message(device, "it reports 0 bytes in use"))
     return MemoryStats(peak_bytes=max(0, peak - start), start_bytes=start, device=device,
                        result=result)
+
+
+def peak_memory(fn: Callable[..., Any], *args: Any, device: Optional[str] = None,
+                **kwargs: Any) -> int:
+    """Deprecated: use ``tf_checkpointing.debug.measure(fn, ...).peak_bytes``.
+
+    Returns ``measure(fn, *args, device=device, **kwargs).peak_bytes``, the peak
+    bytes allocated above the starting level while ``fn`` runs (see `measure` for
+    the arguments), with a ``DeprecationWarning``. It will be removed in
+    tf_checkpointing 0.3.
+
+    Example (what to write instead):
+        >>> import tensorflow as tf
+        >>> from tf_checkpointing.debug import measure
+        >>> measure(lambda: tf.reduce_sum(tf.zeros([1024, 1024]) + 1.0)).peak_bytes >= 4 * 2**20
+        True
+    """
+    warnings.warn(
+        "`peak_memory(fn)` is deprecated and will be removed in tf_checkpointing 0.3: use "
+        "`tf_checkpointing.debug.measure(fn).peak_bytes`, which returns the same number.",
+        DeprecationWarning, stacklevel=2)
+    return measure(fn, *args, device=device, **kwargs).peak_bytes
 
 
 def _memory_info(device: str) -> dict[str, int]:

@@ -56,7 +56,7 @@ class Residual:
 
     Example:
         >>> import tensorflow as tf
-        >>> from tf_checkpointing import saved_residuals
+        >>> from tf_checkpointing.debug import saved_residuals
         >>> w = tf.Variable(tf.ones([4, 4]))
         >>> kept = saved_residuals(lambda x: tf.nn.relu(x @ w), tf.ones([2, 4]))
         >>> [(r.kind, r.producer, r.bytes) for r in kept if r.kind == "activation"]
@@ -87,7 +87,7 @@ def saved_residuals(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[R
 
     Example:
         >>> import tensorflow as tf
-        >>> from tf_checkpointing import saved_residuals
+        >>> from tf_checkpointing.debug import saved_residuals
         >>> w = tf.Variable(tf.ones([4, 4]))
         >>> kept = saved_residuals(lambda x: tf.nn.gelu(x @ w), tf.ones([2, 4]))
         >>> sum(r.bytes for r in kept if r.kind == "activation")  # gelu reads 3 of [2, 4]
@@ -130,7 +130,7 @@ def print_saved_residuals(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> 
 
     Example:
         >>> import tensorflow as tf
-        >>> from tf_checkpointing import print_saved_residuals
+        >>> from tf_checkpointing.debug import print_saved_residuals
         >>> print_saved_residuals(lambda x: tf.sin(x), tf.ones([4]))  # doctest: +ELLIPSIS
         producer ...
     """
@@ -312,7 +312,7 @@ def held_bytes(fn: Callable[..., Any], *args: Any, device: Optional[str] = None,
     (every backward op waits for it through the incoming gradient) reads the
     allocator's current bytes, minus the bytes in use before the step; the least
     of ``steps`` steps. Needs ``TF_CPU_ALLOCATOR_USE_BFC=true`` on CPU (see
-    ``tf_checkpointing.measure``).
+    ``tf_checkpointing.debug.measure``).
 
     The least: forward ops that the reading does not wait for may still be
     running, with their temporaries, when it is taken, more so on a loaded

@@ -301,7 +301,7 @@ def forward_kept_bytes(candidates: Sequence[Callable[[policies.OpOutput], Any]],
 
     Only the forward is traced, once for all the policies, each asked as a
     checkpointed call's forward asks it: a fraction of the work of listing the
-    kept bytes with :func:`~tf_checkpointing.saved_residuals`, which traces the
+    kept bytes with :func:`~tf_checkpointing.debug.saved_residuals`, which traces the
     replay and the gradient too, per policy. What a policy keeps here is a
     superset of what that listing counts (a kept tensor no replay reads is
     pruned), so 0 means nothing kept, and the bytes are an upper bound.

@@ -312,5 +312,5 @@ def _to_losses_message(name: str, chained: list[int]) -> str:
 _SILENCE = (
     "If you never take a gradient with respect to that output, nothing is wrong: silence "
     "this with warnings.filterwarnings('ignore', "
-    "category=tf_checkpointing.ChainedOutputWarning)."
+    "category=tf_checkpointing.debug.ChainedOutputWarning)."
 )

@@ -3,7 +3,7 @@
 The schedule solver (:mod:`._rotor`) may run a layer as a checkpointed call of
 its own with a save policy (:mod:`tf_checkpointing.policies`): it keeps what the
 policy picks and replays the rest. For that it needs, per layer and policy, the
-bytes kept (listed by :func:`~tf_checkpointing.saved_residuals`, which agrees
+bytes kept (listed by :func:`~tf_checkpointing.debug.saved_residuals`, which agrees
 with the allocator) and the replay's time. The time is measured, not modelled:
 the layer's training step as a ``tf.function`` (XLA-compiled for
 ``mode="xla"``), plain, fully replayed and with each policy, timed in
@@ -103,7 +103,7 @@ class PolicyChoices:
         policy_seconds: ``[layer, policy]``, the step time it adds to plain's.
         replay_seconds: ``[layer]``, the step time a full replay adds to plain's.
         kept_bytes: ``[layer, policy]``, the bytes the policy keeps beyond a full
-            replay's (as :func:`~tf_checkpointing.saved_residuals` lists them; for
+            replay's (as :func:`~tf_checkpointing.debug.saved_residuals` lists them; for
             the model planner, where they are at most ``POLICY_SMALL_KEPT`` of the
             call's inputs, the forward's upper bound).
     """

@@ -6,7 +6,7 @@ inputs, and its replay skips the kept ops. For that it needs, per call and
 policy, the bytes kept and the replay time saved, which are measured the way
 the chain planner measures its layers (:func:`._choices.measure_calls`): each
 call as a function of the tensors it reads, its bytes kept from
-:func:`~tf_checkpointing.saved_residuals` and its ``tf.function`` (or XLA)
+:func:`~tf_checkpointing.debug.saved_residuals` and its ``tf.function`` (or XLA)
 training step timed plain, fully replayed and under each policy, in
 interleaved rounds. Calls that compute the same thing (a residual network's
 repeated blocks, a transformer's identical blocks) are measured once, a call where

@@ -14,6 +14,7 @@ runner needs. :func:`even_plan` makes the fixed ``segments=k`` schedule.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Sequence
 from typing import Any, Optional, TypeVar, Union
 
@@ -80,7 +81,7 @@ class Plan:
             planner's time model predicts it.
 
     Example:
-        >>> from tf_checkpointing import Segment, SequentialPlan
+        >>> from tf_checkpointing.plans import Segment, SequentialPlan
         >>> plan = SequentialPlan(names=("a", "b", "c"),
         ...                       pieces=(Segment(0, 2, True), Segment(2, 3, False)))
         >>> plan.regions, plan.extra_forward_layers
@@ -256,7 +257,11 @@ class ModelPlan(Plan):
 
     @property
     def call_names(self) -> tuple[str, ...]:
-        """The layer name of each call, in run order (``names``)."""
+        """Deprecated: ``names``, the layer name of each call in run order. It will
+        be removed in tf_checkpointing 0.3."""
+        warnings.warn("`ModelPlan.call_names` is deprecated and will be removed in "
+                      "tf_checkpointing 0.3: read `ModelPlan.names`, the same tuple.",
+                      DeprecationWarning, stacklevel=2)
         return self.names
 
     @classmethod
