@@ -75,7 +75,10 @@ def test_peak_memory_is_back_as_measure_peak_bytes_with_a_warning():
                       r"tf_checkpointing\.debug\.measure\(fn\)\.peak_bytes") as caught:
         peak = peak_memory(step, x, device="CPU:0")
     assert caught[0].filename == __file__
-    assert isinstance(peak, int) and peak == expected >= 2 * 2**20
+    # The same step measured twice: equal up to the few small buffers eager mode
+    # allocates around it (a scalar's 256 bytes was seen).
+    assert isinstance(peak, int) and peak >= 2 * 2**20
+    assert abs(peak - expected) <= 4096
 
 
 def test_model_plan_call_names_is_names_with_a_warning():

@@ -39,6 +39,7 @@ class BlockSwitch(wrapt.FunctionWrapper):
         >>> import keras, tensorflow as tf
         >>> from tf_checkpointing._block_switch import BlockSwitch
         >>> layer = keras.layers.Dense(4)
+        >>> layer.build((None, 3))
         >>> switch = BlockSwitch(layer.call)
         >>> switch.on = True
         >>> switch(tf.ones([2, 3])).shape

@@ -78,9 +78,9 @@ def test_the_code_cites_docs():
     assert len(list(citations())) >= 30
     cited = [m.groups() for m in CITATION.finditer(
         "(see docs/design.md#chunk-factor). docs/decisions/0019-chunk-factor.md, "
-        "``docs/api.md#tf_checkpointing.measure``")]
+        "``docs/api.md#tf_checkpointing.debug.measure``")]
     assert cited == [("design.md", "chunk-factor"), ("decisions/0019-chunk-factor.md", None),
-                     ("api.md", "tf_checkpointing.measure")]
+                     ("api.md", "tf_checkpointing.debug.measure")]
 
 
 @pytest.mark.parametrize("source,line,page,anchor",

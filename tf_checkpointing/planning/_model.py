@@ -128,7 +128,7 @@ class _Planning:
         planning = cls(graph=graph, inputs=inputs, budget=budget, mode=mode, api=api,
                        runner=runner, policies=policies, region_model=region_model,
                        nested=nested, least=least, key=profile_key(graph, inputs, measured),
-                       anchor=None, chunks=_CHUNKS, inner=inner,
+                       anchor=None, chunks=_CHUNKS if mode == "graph" else 1.0, inner=inner,
                        plain_peak=profile.plain_peak_bytes)
         if mode == "xla":
             planning.anchor_on_xla_steps()
