@@ -80,9 +80,10 @@ _planning_roots: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 @contextlib.contextmanager
 def nothing_left() -> Iterator[None]:
-    """Runs the block outside the caller's Keras call context, then puts back
-    every variable whose value it changed, the random sequences, and the global
-    generator's absence."""
+    """Runs the block outside the caller's Keras call context, then drops the
+    custom gradients of the graphs it traced, gives each non-trainable variable
+    its buffer from before, and puts back every variable whose value it changed,
+    the random sequences, and the global generator's absence."""
     had_generator = stateful_random_ops.global_generator is not None
     registered = set(_custom_gradients())
     building = _graphs_being_built()
@@ -105,10 +106,7 @@ def nothing_left() -> Iterator[None]:
         # are the only ones left where planning measured.
         _forget_custom_gradients(registered, building)
         with tf.init_scope(), _keras_context.outside():
-            for variable, buffer in buffers:
-                if buffer is not None and _moved(variable, buffer):
-                    _adopt(variable, buffer)
-            del buffers  # the variables' buffers are theirs alone again
+            _give_back(buffers)
             for variable, value in saved:
                 now = _value(variable)
                 if now is not None and not _same(now, value):
@@ -200,6 +198,16 @@ def _graph_of(function: Any, depth: int = 2) -> Optional[Any]:
             if isinstance(leaf, tf.Tensor) and tf.is_symbolic_tensor(leaf):
                 return leaf.graph
     return None
+
+
+def _give_back(buffers: list[tuple[Any, Optional[tf.Tensor]]]) -> None:
+    """Gives each variable its held buffer back if it left it, then lets go of
+    them all: the variables' buffers are theirs alone again (a write to a buffer
+    still held would copy it)."""
+    for variable, buffer in buffers:
+        if buffer is not None and _moved(variable, buffer):
+            _adopt(variable, buffer)
+    buffers.clear()
 
 
 def _buffer(variable: Any) -> Optional[tf.Tensor]:
