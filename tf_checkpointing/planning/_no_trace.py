@@ -179,16 +179,16 @@ def _root(graph: Any) -> Any:
 
 def _graph_of(function: Any, depth: int = 2) -> Optional[Any]:
     """The graph whose tensors a registered gradient function closes over (the
-    tensors of the call ``tf.custom_gradient`` wrapped), or None."""
+    outputs of the call ``tf.custom_gradient`` wrapped, which its inner
+    ``tape_grad_fn`` holds), or None."""
+    contents = []
     for cell in getattr(function, "__closure__", None) or ():
         try:
-            content = cell.cell_contents
+            contents.append(cell.cell_contents)
         except ValueError:  # an empty cell
             continue
-        if callable(content) and depth > 0:
-            graph = _graph_of(content, depth - 1)
-            if graph is not None:
-                return graph
+    for content in contents:  # the tensors this function holds itself first
+        if callable(content):
             continue
         try:
             leaves = tf.nest.flatten(content)
@@ -197,6 +197,11 @@ def _graph_of(function: Any, depth: int = 2) -> Optional[Any]:
         for leaf in leaves:
             if isinstance(leaf, tf.Tensor) and tf.is_symbolic_tensor(leaf):
                 return leaf.graph
+    for content in contents:  # then those of the functions it calls
+        if callable(content) and depth > 0:
+            graph = _graph_of(content, depth - 1)
+            if graph is not None:
+                return graph
     return None
 
 
