@@ -75,7 +75,7 @@ __all__ = ["nothing_left", "live_variables", "planning_thread"]
 
 # The outermost graph of each thread planning runs in (see planning_thread): the
 # graphs traced there are planning's own.
-_planning_roots: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_planning_roots: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 @contextlib.contextmanager
