@@ -28,6 +28,7 @@ from tensorflow.python.autograph.core import config as autograph_config  # _deco
 from tensorflow.python.eager import context, forwardprop_util, record  # tape state
 from tensorflow.python.eager import tape as tape_lib  # _recompute: variable watching
 from tensorflow.python.framework import func_graph, op_callbacks, random_seed
+from tensorflow.python.framework import ops as tf_ops  # planning._no_trace: gradient registry
 from tensorflow.python.ops import (
     control_flow_util,
     control_flow_v2_func_graphs,
@@ -68,6 +69,7 @@ __all__ = [
     "operation_fn",
     "pywrap_tfe", "random_seed", "record", "resource_variable_ops", "set_keras_mask",
     "standardize_dtype",
-    "stateful_random_ops", "symbolic_scope", "tape_lib", "tensor_array_ops", "unpack_singleton",
+    "stateful_random_ops", "symbolic_scope", "tape_lib", "tensor_array_ops", "tf_ops",
+    "unpack_singleton",
     "xplane_pb2",
 ]

@@ -20,6 +20,7 @@ import tensorflow as tf
 
 from tf_checkpointing.core._internals import control_flow_util
 from tf_checkpointing.core._memory import grow_cpu_pool, statistics_status
+from tf_checkpointing.planning._no_trace import planning_thread
 
 __all__: list[str] = []
 
@@ -198,6 +199,7 @@ def in_fresh_thread(fn: Callable[..., Any], *args: Any) -> Any:
 
     def target() -> None:
         try:
+            planning_thread()  # what it traces is planning's (see _no_trace)
             keras.config.set_dtype_policy(policy)
             scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
             with scope:
