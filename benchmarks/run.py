@@ -64,7 +64,9 @@ DEFAULT_STRATEGIES = {
     # policy_plan plans chains with one tensor state (not the U-Net): --strategies.
     # One save policy smoke-tests the policy path; the others add a third of the
     # tiny run's time (the tests run it) and only differ in what the policy picks.
-    "tiny": tuple(s for s in STRATEGIES if s not in _PLANNED_POLICIES
+    # keras_remat is tf.recompute_grad on this backend (see below): its rows would
+    # repeat recompute_grad's, for another trace per model and mode.
+    "tiny": tuple(s for s in STRATEGIES if s not in _PLANNED_POLICIES and s != "keras_remat"
                   and (s not in POLICIES or s == "dots_saveable")),
     # sqrt segments (a fixed schedule, between per-block and the budget plan) run with
     # --full and --strategies: the quick run stays near two minutes on 2 cores.

@@ -19,7 +19,7 @@ filters and pools: test_xla_filters.py.)
 import textwrap
 
 import pytest
-from xla_dumps import STEPS, compile_dumped, matmuls, total_bytes, under_scheduler
+from xla_dumps import STEPS, compile_scripts, matmuls, total_bytes
 
 DEPTH = 12
 
@@ -38,13 +38,9 @@ SCRIPT = textwrap.dedent(f"""
 """) + STEPS
 
 
-@pytest.mark.parametrize("flags", ["", "--xla_cpu_enable_concurrency_optimized_scheduler=false"],
-                         ids=["default-scheduler", "other-scheduler"])
-def test_xla_keeps_each_replay_apart_from_the_forward(tmp_path, flags):
-    if compile_dumped(tmp_path, flags, SCRIPT) is None:  # TF 2.16: one CPU scheduler
-        pytest.skip(f"this TensorFlow's XLA has no {flags}")
-    found = {step: (total_bytes(tmp_path, step), matmuls(tmp_path, step))
-             for step in ("plain", "checkpointed")}
+def test_xla_keeps_each_replay_apart_from_the_forward(compiled):
+    totals, dots = compiled.found("chain", total_bytes), compiled.found("chain", matmuls)
+    found = {step: (totals[step], dots[step]) for step in ("plain", "checkpointed")}
     (plain_bytes, plain_dots), (ours_bytes, our_dots) = found["plain"], found["checkpointed"]
     # Forward, input and weight gradients: 3 per layer (the first needs no input gradient);
     # checkpointed adds the replay's: one per layer but the last, whose incoming gradient
@@ -75,13 +71,12 @@ WEIGHT_GRADIENTS_FIRST = (SCRIPT.split("for fn in (plain_step, checkpointed_step
                           + _CONTROL_EDGES_FIRST)
 
 
-@pytest.mark.parametrize("concurrent", [True, False], ids=["default-scheduler", "other-scheduler"])
-def test_xla_makes_a_replays_weight_gradient_before_its_input_gradient(tmp_path, concurrent):
+def test_xla_makes_a_replays_weight_gradient_before_its_input_gradient(compiled):
     """Each replayed layer's input ``x`` is freed by its weight gradient, its last
     reader; made after the input gradient, ``x``, the incoming gradient and the
     input gradient are alive at once, and XLA ran the input gradients down the
     whole chain first, holding every replay's ``x``."""
-    control, by_data, _ = under_scheduler(tmp_path, concurrent, WEIGHT_GRADIENTS_FIRST)
+    control, by_data = compiled.temporaries("weight_gradients_first")
     # TensorFlow 2.21: 0.28x (default scheduler) and 0.31x (the other one) the
     # temporaries of the same step with control edges.
     assert by_data <= 0.5 * control, (by_data, control)
@@ -97,9 +92,8 @@ FROZEN_HALF = SCRIPT.replace(
     "variables = [v for layer in layers for v in layer.trainable_variables]")
 
 
-def test_xla_runs_no_weight_gradient_of_a_frozen_layer(tmp_path):
-    compile_dumped(tmp_path, "", FROZEN_HALF)
-    dots = {step: matmuls(tmp_path, step) for step in ("plain", "checkpointed")}
+def test_xla_runs_no_weight_gradient_of_a_frozen_layer(compiled):
+    dots = compiled.found("frozen_half", matmuls)
     half = DEPTH // 2
     # Plain: the frozen half's forward and input gradients (2 each), the trainable
     # half's forward, input and weight gradients (3 each; the first layer makes no
@@ -107,3 +101,13 @@ def test_xla_runs_no_weight_gradient_of_a_frozen_layer(tmp_path):
     # above); the frozen half's weight gradients (6 more) stay out.
     assert dots["plain"] == 2 * half + 3 * half - 1, dots
     assert dots["checkpointed"] == dots["plain"] + DEPTH - 1, dots
+
+
+SCRIPTS = {"chain": SCRIPT, "weight_gradients_first": WEIGHT_GRADIENTS_FIRST,
+           "frozen_half": FROZEN_HALF}
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["default-scheduler", "other-scheduler"])
+def compiled(request, tmp_path_factory):
+    """Every script's steps, compiled in one process under one XLA:CPU scheduler."""
+    return compile_scripts(tmp_path_factory.mktemp("xla-buffers"), request.param, SCRIPTS)

@@ -13,7 +13,7 @@ A replay's max-pool gradients are made from window slices when the replay runs
 import textwrap
 
 import pytest
-from xla_dumps import STEPS, under_scheduler
+from xla_dumps import STEPS, compile_scripts
 
 # A stack of four ResNet50 bottlenecks (1x1, 3x3, 1x1 convolutions, BatchNorm, a
 # residual), built by `stack()` (same seed, same weights each time).
@@ -122,10 +122,18 @@ PLAIN_CONVOLUTIONS = STACK + textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("concurrent", [True, False], ids=["default-scheduler", "other-scheduler"])
-def test_xla_turns_a_replayed_filter_when_its_gradient_arrives(tmp_path, concurrent):
-    plain, ours, concurrent = under_scheduler(tmp_path, concurrent, BOTTLENECKS)
-    if not concurrent:
+SCRIPTS = {"bottlenecks": BOTTLENECKS, "pools": POOLS, "plain_convolutions": PLAIN_CONVOLUTIONS}
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["default-scheduler", "other-scheduler"])
+def compiled(request, tmp_path_factory):
+    """Every script's steps, compiled in one process under one XLA:CPU scheduler."""
+    return compile_scripts(tmp_path_factory.mktemp("xla-filters"), request.param, SCRIPTS)
+
+
+def test_xla_turns_a_replayed_filter_when_its_gradient_arrives(compiled):
+    plain, ours = compiled.temporaries("bottlenecks")
+    if not compiled.concurrent:
         # This schedule turns each filter where the backward reads it; on a stack this
         # small checkpointing saves little (0.82x on TensorFlow 2.21, 0.72x on 2.16).
         assert ours <= plain, (ours, plain)
@@ -137,23 +145,21 @@ def test_xla_turns_a_replayed_filter_when_its_gradient_arrives(tmp_path, concurr
         assert ours <= 0.35 * plain, (ours, plain)
 
 
-@pytest.mark.parametrize("concurrent", [True, False], ids=["default-scheduler", "other-scheduler"])
-def test_xla_makes_a_replayed_pools_gradient_when_the_replay_runs(tmp_path, concurrent):
-    plain, ours, concurrent = under_scheduler(tmp_path, concurrent, POOLS)
+def test_xla_makes_a_replayed_pools_gradient_when_the_replay_runs(compiled):
+    plain, ours = compiled.temporaries("pools")
     # With XLA's own max-pool gradients in the replays, the checkpointed stack's
     # temporaries were 0.79x plain's (default scheduler) and 0.88x (the other one): the
     # pools' index arrays, made at the start of the step; from window slices, 0.24x
     # and 0.54x (TensorFlow 2.21).
-    assert ours <= (0.4 if concurrent else 0.7) * plain, (ours, plain)
+    assert ours <= (0.4 if compiled.concurrent else 0.7) * plain, (ours, plain)
 
 
-@pytest.mark.parametrize("concurrent", [True, False], ids=["default-scheduler", "other-scheduler"])
-def test_xla_turns_a_plain_pieces_filter_when_its_gradient_arrives(tmp_path, concurrent):
+def test_xla_turns_a_plain_pieces_filter_when_its_gradient_arrives(compiled):
     """A plan's plain convolutions: run as they are, XLA:CPU's default scheduler
     turns their filters at the start of the step and holds them to the backward;
     run as regions that save everything, their backward reads the filters when
     the gradient arrives, as a replay's does."""
-    plain, ours, concurrent = under_scheduler(tmp_path, concurrent, PLAIN_CONVOLUTIONS)
+    plain, ours = compiled.temporaries("plain_convolutions")
     # TensorFlow 2.21: 0.34x (default scheduler) and 0.75x (the other one) the
     # temporaries of the same plan with its plain pieces run as they are.
-    assert ours <= (0.5 if concurrent else 0.9) * plain, (ours, plain)
+    assert ours <= (0.5 if compiled.concurrent else 0.9) * plain, (ours, plain)

@@ -3,18 +3,22 @@
 A test script compiles two steps named ``plain_step`` and ``checkpointed_step`` under
 ``tf.function(jit_compile=True)``; XLA dumps each module (``XLA_FLAGS=--xla_dump_to``),
 and these helpers read, per step, the temporaries' buffer, every buffer's total and
-the matrix products left in the optimised HLO.
+the matrix products left in the optimised HLO. A test file's scripts are compiled
+in one process per XLA:CPU scheduler (:func:`compile_scripts`: the scheduler is a
+process-wide flag, and each process pays TensorFlow's start-up), each script in
+globals of its own and its steps named after it.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import pytest
 from helpers import REPO
@@ -46,13 +50,14 @@ STEPS = textwrap.dedent("""
 MATMUL = r' dot\(|custom_call_target="__onednn\$matmul"'
 
 
-def compile_dumped(tmp_path: Path, flags: str, script: str) -> Optional[str]:
+def compile_dumped(tmp_path: Path, flags: str, script: str,
+                   stdin: Optional[str] = None) -> Optional[str]:
     """Runs ``script`` with XLA dumping to ``tmp_path``; its stdout, or None if this
     XLA does not know ``flags``."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=str(REPO),
                XLA_FLAGS=f"--xla_dump_to={tmp_path} --xla_dump_hlo_as_text {flags}")
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                          text=True, timeout=300, cwd=REPO)
+                          text=True, timeout=600, cwd=REPO, input=stdin)
     if "Unknown flags in XLA_FLAGS" in done.stderr:
         return None
     assert done.returncode == 0, done.stderr[-3000:]
@@ -82,15 +87,56 @@ def matmuls(tmp_path: Path, step: str) -> int:
     return len(re.findall(MATMUL, hlo.read_text()))
 
 
-def under_scheduler(tmp_path: Path, concurrent: bool, script: str) -> tuple[int, int, bool]:
-    """(plain, checkpointed) temporaries of ``script`` under the XLA:CPU scheduler
-    ``concurrent`` picks, and whether it was the concurrency-optimised one. An XLA
-    with one CPU scheduler (TensorFlow 2.16's) is checked once, under the default
-    id: the other id skips."""
+# Runs the scripts given as JSON on stdin ({name: script}), each in globals of its own;
+# prints, per name, the traceback of its failure ("" if it ran).
+_DRIVER = textwrap.dedent("""
+    import json, sys, traceback
+    failures = {}
+    for name, script in json.loads(sys.stdin.read()).items():
+        try:
+            exec(compile(script, f"<{name}>", "exec"), {"__name__": "__main__"})
+            failures[name] = ""
+        except Exception:
+            failures[name] = traceback.format_exc()
+    print("FAILURES", json.dumps(failures))
+""")
+
+
+def compile_scripts(folder: Path, concurrent: bool, scripts: dict[str, str]) -> CompiledScripts:
+    """Compiles the steps of each of ``scripts`` (name: script, each as
+    :func:`compile_dumped` runs one) in one process, under the XLA:CPU scheduler
+    ``concurrent`` picks, XLA dumping to ``folder``; a script's steps are named
+    ``<name>_plain_step`` and ``<name>_checkpointed_step`` (read them with
+    ``step=f"{name}_plain"``). An XLA with one CPU scheduler (TensorFlow 2.16's)
+    compiles under the default id, without the flag; the other id skips."""
+    renamed = {name: script.replace("plain_step", f"{name}_plain_step")
+               .replace("checkpointed_step", f"{name}_checkpointed_step")
+               for name, script in scripts.items()}
     flag = f"--xla_cpu_enable_concurrency_optimized_scheduler={str(concurrent).lower()}"
-    if compile_dumped(tmp_path, flag, script) is None:
+    stdout = compile_dumped(folder, flag, _DRIVER, stdin=json.dumps(renamed))
+    if stdout is None:
         if not concurrent:
             pytest.skip("this TensorFlow's XLA has one CPU scheduler (checked as the default)")
-        tmp_path, concurrent = tmp_path / "one-scheduler", False
-        compile_dumped(tmp_path, "", script)
-    return temporaries(tmp_path, "plain"), temporaries(tmp_path, "checkpointed"), concurrent
+        folder, concurrent = folder / "one-scheduler", False
+        stdout = compile_dumped(folder, "", _DRIVER, stdin=json.dumps(renamed))
+    failures = json.loads(stdout.split("FAILURES", 1)[1])
+    return CompiledScripts(folder, concurrent, failures)
+
+
+class CompiledScripts:
+    """What :func:`compile_scripts` compiled: where, under which scheduler, and
+    per script the traceback of its failure ("" if it ran)."""
+
+    def __init__(self, folder: Path, concurrent: bool, failures: dict[str, str]) -> None:
+        self.folder, self.concurrent, self.failures = folder, concurrent, failures
+
+    def temporaries(self, name: str) -> tuple[int, int]:
+        """(plain, checkpointed) temporaries of script ``name``'s steps."""
+        assert self.failures[name] == "", self.failures[name][-3000:]
+        return (temporaries(self.folder, f"{name}_plain"),
+                temporaries(self.folder, f"{name}_checkpointed"))
+
+    def found(self, name: str, read: Callable[[Path, str], int]) -> dict[str, int]:
+        """``read`` (total_bytes, matmuls, ...) of script ``name``'s two steps."""
+        assert self.failures[name] == "", self.failures[name][-3000:]
+        return {step: read(self.folder, f"{name}_{step}") for step in ("plain", "checkpointed")}
