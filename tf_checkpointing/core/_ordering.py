@@ -39,8 +39,11 @@ _MAKES_INPUT_GRADIENT = frozenset({
     "DepthwiseConv2dNativeBackpropInput", "MatMul", "BatchMatMulV2", "BatchMatMulV3"})
 # A bias's gradient: a reduction of the incoming gradient alone. XLA (TensorFlow
 # 2.16's) ran those of a chain's last layers at the end of the step, each holding
-# its layer's incoming gradient until then.
+# its layer's incoming gradient until then. TensorFlow 2.21's XLA does not, and
+# there the wait raised a chain's peak by one incoming gradient: made first only
+# before 2.21 (docs/decisions/0036-bias-gradients-under-xla.md).
 _REDUCES_GRADIENT = frozenset({"BiasAddGrad"})
+_REDUCTIONS_FIRST = tuple(int(part) for part in tf.__version__.split(".")[:2]) < (2, 21)
 # Where a tensor comes from a variable (its buffer is the variable's: nothing to free).
 _VARIABLE_READS = frozenset({"ReadVariableOp", "Const", "VarHandleOp", "Placeholder"})
 # Ops that only read a variable's value.
@@ -260,8 +263,9 @@ def weight_gradients_first(graph: Any, first_op: int, incoming: Any = (),
     weight gradient feeds one of ``untaken``, the gradients the outer backward
     may never ask for (a frozen Keras layer's weights, which TensorFlow still
     calls trainable): a data edge would make that unused kernel run. Under XLA a
-    bias's gradient, which reads the shared gradient alone, is made first too:
-    XLA may otherwise run it at the end of the step, holding the gradient. Eager
+    bias's gradient, which reads the shared gradient alone, is made first too
+    before TensorFlow 2.21, whose XLA ran it at the end of the step, holding the
+    gradient (2.21's does not, and there the wait costs memory). Eager
     execution runs in program order, so there is nothing to do there.
     """
     operations = graph.get_operations()[first_op:]
@@ -277,7 +281,7 @@ def weight_gradients_first(graph: Any, first_op: int, incoming: Any = (),
     rewired: dict = {}
     added = 0
     for op in operations:
-        reduces = by_data and op.type in _REDUCES_GRADIENT
+        reduces = by_data and _REDUCTIONS_FIRST and op.type in _REDUCES_GRADIENT
         if op.type not in _READS_ACTIVATION and not reduces:
             continue
         inner = [t for t in op.inputs if (t.op.name in made or t.ref() in gradients)
