@@ -130,7 +130,12 @@ def _per_block(model: Any, blocks: Any) -> None:
         found = re.match(blocks, layer.name)
         if found:
             regions.setdefault(found.group(1), []).append(layer.name)
-    tc.apply_checkpointing(model, plan=tc.ModelPlan.from_regions(model, list(regions.values())))
+    # Each block as one region: the layer calls from its first to its last in run
+    # order (a plan's names are the model's calls in that order).
+    names = list(tc.ModelPlan.from_regions(model, [[next(iter(regions.values()))[0]]]).names)
+    spans = [sorted(names.index(n) for n in block) for block in regions.values()]
+    tc.apply_checkpointing(model, plan=tc.ModelPlan.from_regions(
+        model, [names[span[0]:span[-1] + 1] for span in spans]))
 
 
 def worker(name: str, mode: str, strategy: str) -> dict:
