@@ -3,7 +3,7 @@
     python benchmarks/whole_model/user_path.py              # results/latest/whole_model_user_path.*
     python benchmarks/whole_model/user_path.py --models stack --modes graph
     python benchmarks/whole_model/user_path.py --update-results
-    python benchmarks/whole_model/user_path.py --rerender benchmarks/results/whole_model_user_path.json
+    python benchmarks/whole_model/user_path.py --rerender RESULTS.json   # the tables again
 
 Each strategy of each model runs in a process of its own, as a user's training run:
 the model is built from its constructor (random weights), the strategy applied as

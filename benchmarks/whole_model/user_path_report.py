@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import statistics
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 MODE_NAMES = {"graph": "tf.function", "xla": "XLA"}
 
@@ -42,8 +42,11 @@ def table(rows: list[dict]) -> str:
         cells.append(f"{b:.1f} ({b / p:.2f}x)" if b and p else "-")
         cells.append(f"{m:.1f} ({m / p:.2f}x, {m / b:.2f}x per-block)" if m and p and b
                      else "-")
-        cells.append(f"{half['budget_mib']:.1f}: {h:.1f} ({max(half['peaks_mib']) / half['budget_mib']:.2f}x)"
-                     if half and h else "-")
+        if half and h:
+            worst = max(half["peaks_mib"]) / half["budget_mib"]
+            cells.append(f"{half['budget_mib']:.1f}: {h:.1f} ({worst:.2f}x)")
+        else:
+            cells.append("-")
         cells.append(f"{least['first_peak_mib'] / plain['first_peak_mib']:.2f}x"
                      if least and plain else "-")
         lines.append("| " + " | ".join(cells) + " |")
