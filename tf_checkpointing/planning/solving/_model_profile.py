@@ -116,10 +116,23 @@ def _profile(graph: LayerGraph, inputs: Any, *, mode: str,
     made = graph.producers()
     n = len(graph.calls)
     alive = [[k for k, end in zip(keys, last) if made[k] < i <= end] for i in range(n + 1)]
+    sizes: dict[Any, tuple[int, bool]] = {}
+    profile, same = _profile_states(graph, inputs, alive, sizes, mode=mode, api=api)
+    readers = graph.consumers()
+    savers = _savers(graph, keys, alive, same, profile, readers)
+    costs = _graph_costs(graph, profile, keys, last, sizes, readers, savers, mode)
+    return profile, without_backward(costs, reached)
+
+
+def _profile_states(graph: LayerGraph, inputs: Any, alive: list, sizes: dict, *, mode: str,
+                    api: str) -> tuple[ChainProfile, list[int]]:
+    """The chain profile of the graph's calls, each from the tensors ``alive``
+    before it to those after it (``sizes`` filled in as they are made), and the
+    graph's repeated calls."""
+    n = len(graph.calls)
     flat = graph.model_inputs(inputs)
     position = {k: j for j, k in enumerate(graph.input_keys)}
     start = tuple(flat[position[k]] for k in alive[0])
-    sizes: dict[Any, tuple[int, bool]] = {}
     calls = [functools.partial(_step, graph.calls[i], alive[i], alive[i + 1], sizes)
              for i in range(n)]
     # The profile puts back the state it changes; under a distribution strategy
@@ -138,19 +151,31 @@ def _profile(graph: LayerGraph, inputs: Any, *, mode: str,
                                 trainable=fit_sources(graph, mode))
     finally:
         in_fresh_thread(lambda: [v.assign(value) for v, value in zip(state, saved)])
-    readers = graph.consumers()
+    return profile, same
+
+
+def _savers(graph: LayerGraph, keys: list, alive: list, same: list[int],
+            profile: ChainProfile, readers: dict) -> list[list[int]]:
+    """Per tensor, the calls whose backward reads it, in order: its readers that
+    save it, and its producer if its own backward reads it (a relu's output); n
+    for a model output (held to the end)."""
+    n = len(graph.calls)
+    made = graph.producers()
     # What each call's backward reads, from the graph it was measured with (a
     # tf.function profile's), else traced for it.
     saved = saved_tensors(graph, same, [
         keys_read(graph.calls[i], alive[i], alive[i + 1], layer.backward_reads)
         if same[i] == i else None for i, layer in enumerate(profile.layers)])
     outputs = set(graph.output_keys)
-    # The calls whose backward reads each tensor, in order: its readers that save
-    # it, and its producer if its own backward reads it (a relu's output); n for a
-    # model output (held to the end).
-    savers = [sorted({i for i in readers.get(k, []) if k in saved[i][0]}
-                     | ({made[k]} if made[k] >= 0 and k in saved[made[k]][1] else set())
-                     | ({n} if k in outputs else set())) for k in keys]
+    return [sorted({i for i in readers.get(k, []) if k in saved[i][0]}
+                   | ({made[k]} if made[k] >= 0 and k in saved[made[k]][1] else set())
+                   | ({n} if k in outputs else set())) for k in keys]
+
+
+def _graph_costs(graph: LayerGraph, profile: ChainProfile, keys: list, last: list,
+                 sizes: dict, readers: dict, savers: list, mode: str) -> GraphCosts:
+    """The region model's costs of the graph from its chain profile, in ``mode``."""
+    made = graph.producers()
     layers = profile.layers
     # A tf.function step updates a weight as soon as its gradient is made, while
     # the call's input gradient may still read the weight's value: the update
@@ -159,7 +184,7 @@ def _profile(graph: LayerGraph, inputs: Any, *, mode: str,
     # not applied) does not see; a large kernel copied so can make a least plan's
     # peak (see docs/decisions/0018-memory-model.md).
     update = np.array([p.weight_grad_bytes if mode == "graph" else 0 for p in layers], float)
-    costs = GraphCosts(
+    return GraphCosts(
         kept=np.array([p.kept_bytes for p in layers], float),
         fwd=np.array([p.forward_peak_bytes for p in layers], float),
         fwd0=np.array([p.untaped_peak_bytes for p in layers], float),
@@ -180,7 +205,6 @@ def _profile(graph: LayerGraph, inputs: Any, *, mode: str,
         own_wgrad=np.array([0 if mode == "eager" else p.weight_grad_bytes for p in layers],
                            float),
         savers=savers)
-    return profile, without_backward(costs, reached)
 
 
 def _shared_gradients(graph: LayerGraph, sizes: dict) -> np.ndarray:

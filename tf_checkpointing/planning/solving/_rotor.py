@@ -183,28 +183,34 @@ def _least_work(chain: Chain, available: float) -> Optional[tuple[Segment, ...]]
             opt[s, t, pad:], choice[s, t] = best, pick
     if not np.isfinite(opt[0, n, pad + units]):
         return None
+    return _schedule(chain, choice, (kept_u, x_u, policy_u), up, 0, n, units)
 
-    def build(s: int, t: int, free: int) -> tuple[Segment, ...]:
-        pieces = []
-        while s < t:
-            mid = int(choice[s, t, free])
-            if mid == -1:
-                pieces.append(Segment(s, s + 1, False))
-                free -= kept_u[s]
-                s += 1
-            elif mid < -1:
-                p = -2 - mid
-                pieces.append(Segment(s, s + 1, True, policy=chain.policies[p]))
-                free -= x_u[s + 1] + policy_u[s, p]
-                s += 1
-            else:
-                held = int(up(chain.replay_held(mid, t)))
-                pieces.append(Segment(s, mid, True, _inner(build(s, mid, free - held))))
-                free -= x_u[mid]
-                s = mid
-        return _merge(pieces)
 
-    return build(0, n, units)
+def _schedule(chain: Chain, choice: np.ndarray, sizes: tuple[np.ndarray, np.ndarray, np.ndarray],
+              up: Callable[[Any], Any], s: int, t: int, free: int) -> tuple[Segment, ...]:
+    """The pieces of ``[s, t)`` with ``free`` units, read back from the rotor
+    program's ``choice`` table; ``sizes``: the kept, input and policy-kept sizes
+    in units."""
+    kept_u, x_u, policy_u = sizes
+    pieces = []
+    while s < t:
+        mid = int(choice[s, t, free])
+        if mid == -1:
+            pieces.append(Segment(s, s + 1, False))
+            free -= kept_u[s]
+            s += 1
+        elif mid < -1:
+            p = -2 - mid
+            pieces.append(Segment(s, s + 1, True, policy=chain.policies[p]))
+            free -= x_u[s + 1] + policy_u[s, p]
+            s += 1
+        else:
+            held = int(up(chain.replay_held(mid, t)))
+            inner = _schedule(chain, choice, sizes, up, s, mid, free - held)
+            pieces.append(Segment(s, mid, True, _inner(inner)))
+            free -= x_u[mid]
+            s = mid
+    return _merge(pieces)
 
 
 def _with_policies(chain: Chain, opt: np.ndarray, s: int, t: int, best: np.ndarray,
