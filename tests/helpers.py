@@ -235,7 +235,7 @@ def with_spans(plan, spans, policies=(), mode=None):
     ``ModelPlan.from_regions``)."""
     import dataclasses
 
-    from tf_checkpointing.planning._plan import pieces_of_spans
+    from tf_checkpointing.planning.plans._plan import pieces_of_spans
 
     return dataclasses.replace(plan, pieces=pieces_of_spans(0, len(plan.names), spans, policies),
                                mode=mode or plan.mode)

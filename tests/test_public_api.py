@@ -91,17 +91,35 @@ def test_model_plan_call_names_is_names_with_a_warning():
     assert "call_names" not in plan.to_config()
 
 
+def _imported(path):
+    """(line, names) of each import in ``path``: modules and ``module.name``s."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            yield node.lineno, {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            yield node.lineno, {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+
+
 @pytest.mark.parametrize("floor", ["core", "planning"])
 def test_the_lower_floors_never_import_the_front_modules(floor):
     front = {"tf_checkpointing.plans", "tf_checkpointing.debug"}
     found = []
-    for path in sorted((REPO / "tf_checkpointing" / floor).glob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                names = {alias.name for alias in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                names = {node.module} | {f"{node.module}.{a.name}" for a in node.names}
-            else:
-                continue
-            found += [f"{path.name}:{node.lineno}" for _ in names & front]
+    for path in sorted((REPO / "tf_checkpointing" / floor).rglob("*.py")):
+        found += [f"{path.name}:{line}" for line, names in _imported(path) if names & front]
     assert not found, f"{floor}/ imports a module of the package front: {found}"
+
+
+def test_the_rooms_of_planning_import_only_the_rooms_before_them():
+    rooms = ["measuring", "layer_graph", "plans", "solving"]
+    planning = REPO / "tf_checkpointing" / "planning"
+    found = []
+    for path in sorted(planning.rglob("*.py")):
+        here = path.relative_to(planning).parts
+        level = rooms.index(here[0]) if len(here) > 1 else -1  # planning/_x.py: below all
+        for line, names in _imported(path):
+            for name in names:
+                parts = name.split(".")
+                if (parts[:2] == ["tf_checkpointing", "planning"] and len(parts) > 2
+                        and parts[2] in rooms and rooms.index(parts[2]) > level):
+                    found.append(f"{path.relative_to(planning)}:{line} {name}")
+    assert not found, f"a room of planning imports one above it: {found}"

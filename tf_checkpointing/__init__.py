@@ -50,7 +50,7 @@ from tf_checkpointing._whole_model import plan_model
 from tf_checkpointing.core._errors import ReplayMismatchError
 from tf_checkpointing.core._flags import is_checkpointing, is_recomputing
 from tf_checkpointing.core._save_policies import checkpoint_name
-from tf_checkpointing.planning._plan import ModelPlan
+from tf_checkpointing.planning.plans._plan import ModelPlan
 
 __all__ = [
     "CheckpointedSequential",

@@ -6,7 +6,7 @@ keeps statistics with its BFC allocator, which it chooses from
 at ``import tensorflow``. So importing this package turns it on, unless the
 variable is set (``false`` is respected) or TensorFlow already made its devices
 (then it is too late, and ``apply_checkpointing(model, budget=...)`` says so at
-once: :func:`tf_checkpointing.planning._allocator.expect_statistics`). GPU
+once: :func:`tf_checkpointing.planning.measuring._allocator.expect_statistics`). GPU
 allocators keep statistics anyway; on a GPU machine this only changes which
 allocator serves host memory.
 

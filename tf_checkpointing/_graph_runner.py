@@ -2,7 +2,7 @@
 
 ``apply_checkpointing(model, budget=...)`` (or ``plan=``) replaces the model
 instance's ``call`` with a :class:`GraphRunner`: it runs the layer calls of the
-flattened graph (:mod:`tf_checkpointing.planning._graph`) in the order Keras'
+flattened graph (:mod:`tf_checkpointing.planning.layer_graph._layer_graph`) in the order Keras'
 ``Functional._run_through_graph`` does, with the same call-context arguments
 (``training``) and masks, and each region of the plan as one
 :func:`~tf_checkpointing.core._recompute.checkpointed_call` that takes every tensor
@@ -20,7 +20,7 @@ and is not an inference call (``training=False`` with no tape recording:
 the mode that call runs (eager, a graph while it is traced, XLA while a
 ``jit_compile=True`` function is), as ``CheckpointedSequential`` does, and
 again for another mode or a larger batch (see
-:mod:`tf_checkpointing.planning._reuse`). The layers are profiled in training
+:mod:`tf_checkpointing.planning.plans._reuse`). The layers are profiled in training
 mode, so a ``training=False`` step under a tape (a frozen backbone being
 fine-tuned) gets a plan that predicts at least what it keeps.
 """
@@ -52,23 +52,31 @@ from tf_checkpointing.core._recompute import (
     needs_checkpoint,
 )
 from tf_checkpointing.core._state import WritesKeptOut
-from tf_checkpointing.planning._allocator import in_xla_context
-from tf_checkpointing.planning._blocks import block_layers, inner_block_choices, sublayers
-from tf_checkpointing.planning._budget import Budget
-from tf_checkpointing.planning._frozen import backprop_calls
-from tf_checkpointing.planning._graph import (
+from tf_checkpointing.planning.layer_graph._blocks import (
+    block_layers,
+    inner_block_choices,
+    sublayers,
+)
+from tf_checkpointing.planning.layer_graph._frozen import backprop_calls
+from tf_checkpointing.planning.layer_graph._layer_graph import (
     Key,
     LayerGraph,
     functional_of,
     read_graph,
     run_call,
 )
-from tf_checkpointing.planning._model import plan_graph
-from tf_checkpointing.planning._modes import step_mode
-from tf_checkpointing.planning._plan import ModelPlan, Segment
-from tf_checkpointing.planning._plan_files import device_of_step, plan_key, read_plan, write_plan
-from tf_checkpointing.planning._reuse import PlansByShape, made_ahead
-from tf_checkpointing.planning._runner import PlanRunner
+from tf_checkpointing.planning.measuring._allocator import in_xla_context
+from tf_checkpointing.planning.plans._budget import Budget
+from tf_checkpointing.planning.plans._modes import step_mode
+from tf_checkpointing.planning.plans._plan import ModelPlan, PlanRunner, Segment
+from tf_checkpointing.planning.plans._plan_files import (
+    device_of_step,
+    plan_key,
+    read_plan,
+    write_plan,
+)
+from tf_checkpointing.planning.plans._reuse import PlansByShape, made_ahead
+from tf_checkpointing.planning.solving._model_planner import plan_graph
 
 __all__: list[str] = []
 
@@ -84,7 +92,7 @@ class GraphRunner:
                  check: Any = False, policies: tuple[Any, ...] = (),
                  plan_cache: Any = None) -> None:
         self.graph = graph
-        self.plan_cache = plan_cache  # a folder of plan files (see planning._plan_files)
+        self.plan_cache = plan_cache  # a folder of plan files (see planning.plans._plan_files)
         self.policies = policies  # the candidates for the plan made for `budget`
         self.force_seed, self.check = force_seed, check
         self.plan = plan  # the plan of the last call (given: the only one)
@@ -313,7 +321,7 @@ def _writes_kept_out(*, replay: bool, flat: bool) -> Any:
 
 
 def model_runner(graph: LayerGraph) -> PlanRunner:
-    """What the planner runs a plan of ``graph`` with (see ``planning._runner``):
+    """What the planner runs a plan of ``graph`` with (see ``planning.plans._plan``):
     a training call of the model by that plan."""
     def runner(plan: ModelPlan) -> Any:
         run = GraphRunner(graph, plan=plan)

@@ -171,6 +171,18 @@ def apply_checkpointing(
                                check=check, policies=policies, plan_cache=plan_cache)
         _forget_traced_steps(model)
         return [model]
+    _expect_no_planner_options(plan_cache, policies)
+    chosen = _chosen_layers(model, select)
+    warn_if_costly(model, chosen)  # here: its stacklevel names the caller's line
+    for layer in chosen:
+        _checkpoint_layer(layer, force_seed=force_seed, check=check, policy=policy)
+    _forget_traced_steps(model)
+    return chosen
+
+
+def _expect_no_planner_options(plan_cache: Any, policies: Any) -> None:
+    """Raises for the planner's options (``plan_cache``, ``policies``) given with
+    ``select``."""
     if plan_cache is not None:
         raise TypeError(
             "apply_checkpointing: argument `plan_cache` keeps the plans made for a "
@@ -183,6 +195,10 @@ def apply_checkpointing(
             "select. Pass policy=... for one save policy on the chosen layers, or "
             "budget=... with policies=... to let the planner choose per region."
         )
+
+
+def _chosen_layers(model: keras.layers.Layer, select: Selector) -> list[keras.layers.Layer]:
+    """The outermost sublayers of ``model`` that ``select`` chooses (at least one)."""
     candidates = model._flatten_layers(include_self=False, recursive=True)  # noqa: SLF001
     if not candidates:
         raise ValueError(
@@ -199,10 +215,6 @@ def apply_checkpointing(
             f"received select={select!r}. Its layers are: {_names(candidates)}. Pass a "
             "predicate that returns True for some of them, or their names or classes."
         )
-    warn_if_costly(model, chosen)
-    for layer in chosen:
-        _checkpoint_layer(layer, force_seed=force_seed, check=check, policy=policy)
-    _forget_traced_steps(model)
     return chosen
 
 

@@ -7,7 +7,7 @@ cheap (keras #20743); checkpointing the whole chain keeps nothing but makes the
 replay hold every activation at once. Segments in between are the point: ``k``
 segments keep ``k`` inputs plus one segment's activations, least at
 ``k ~ sqrt(N)`` (Chen et al. 2016), for one extra forward. With a byte
-``budget`` the planner (:mod:`tf_checkpointing.planning._chain`) places segments, and
+``budget`` the planner (:mod:`tf_checkpointing.planning.solving._chain`) places segments, and
 segments inside segments, on the measured layers.
 
 Unlike ``torch.utils.checkpoint.checkpoint_sequential``, the input may be any
@@ -27,14 +27,17 @@ import tensorflow as tf
 
 from tf_checkpointing import policies as save_policies
 from tf_checkpointing.core._recompute import checkpointed_call, frozen_weights, needs_checkpoint
-from tf_checkpointing.planning._budget import expect_budget
-from tf_checkpointing.planning._calling import layer_names, route_keywords, validate_layers
-from tf_checkpointing.planning._chain import cached_plan
-from tf_checkpointing.planning._choices import expect_policies
-from tf_checkpointing.planning._frozen import tape_reaches
-from tf_checkpointing.planning._modes import expect_mode
-from tf_checkpointing.planning._plan import Segment, SequentialPlan, even_plan
-from tf_checkpointing.planning._runner import PlanRunner
+from tf_checkpointing.planning.layer_graph._calling import (
+    layer_names,
+    route_keywords,
+    validate_layers,
+)
+from tf_checkpointing.planning.layer_graph._frozen import tape_reaches
+from tf_checkpointing.planning.measuring._choices import expect_policies
+from tf_checkpointing.planning.plans._budget import expect_budget
+from tf_checkpointing.planning.plans._modes import expect_mode
+from tf_checkpointing.planning.plans._plan import PlanRunner, Segment, SequentialPlan, even_plan
+from tf_checkpointing.planning.solving._chain import cached_plan
 
 __all__ = ["checkpoint_sequential", "plan_sequential", "run_plan"]
 
@@ -213,7 +216,7 @@ def plan_sequential(layers: Any, inputs: Any, *, budget: Union[float, str],
 
 def chain_runner(layers: Sequence[Any], kwargs: dict[str, Any],
                  routed: list[dict]) -> PlanRunner:
-    """What the planner runs a plan of ``layers`` with (see ``planning._runner``)."""
+    """What the planner runs a plan of ``layers`` with (see ``planning.plans._plan``)."""
     return lambda plan: lambda x: run_plan(layers, plan, x, kwargs, routed)
 
 

@@ -23,13 +23,17 @@ from tf_checkpointing._sequential import (
     run_plan,
 )
 from tf_checkpointing.core._recompute import needs_checkpoint
-from tf_checkpointing.planning._budget import Budget, expect_budget
-from tf_checkpointing.planning._calling import layer_names, route_keywords, validate_layers
-from tf_checkpointing.planning._chain import cached_plan
-from tf_checkpointing.planning._frozen import frozen_prefix, tape_reaches
-from tf_checkpointing.planning._modes import step_mode
-from tf_checkpointing.planning._plan import SequentialPlan, even_plan
-from tf_checkpointing.planning._reuse import PlansByShape
+from tf_checkpointing.planning.layer_graph._calling import (
+    layer_names,
+    route_keywords,
+    validate_layers,
+)
+from tf_checkpointing.planning.layer_graph._frozen import frozen_prefix, tape_reaches
+from tf_checkpointing.planning.plans._budget import Budget, expect_budget
+from tf_checkpointing.planning.plans._modes import step_mode
+from tf_checkpointing.planning.plans._plan import SequentialPlan, even_plan
+from tf_checkpointing.planning.plans._reuse import PlansByShape
+from tf_checkpointing.planning.solving._chain import cached_plan
 
 __all__ = ["CheckpointedSequential"]
 

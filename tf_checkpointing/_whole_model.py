@@ -25,17 +25,17 @@ import tensorflow as tf
 from tf_checkpointing._block_switch import switches_installed
 from tf_checkpointing._graph_runner import install, model_runner
 from tf_checkpointing.core._internals import keras_numpy_ops
-from tf_checkpointing.planning._allocator import expect_statistics
-from tf_checkpointing.planning._blocks import candidate_layers
-from tf_checkpointing.planning._budget import expect_budget
-from tf_checkpointing.planning._choices import expect_policies
 from tf_checkpointing.planning._constants import COSTLY_SELECTION_RATIO
-from tf_checkpointing.planning._graph import functional_of, read_graph
-from tf_checkpointing.planning._model import plan_graph
-from tf_checkpointing.planning._modes import expect_mode
-from tf_checkpointing.planning._plan import ModelPlan
-from tf_checkpointing.planning._plan_files import expect_folder
-from tf_checkpointing.planning._reuse import remember
+from tf_checkpointing.planning.layer_graph._blocks import candidate_layers
+from tf_checkpointing.planning.layer_graph._layer_graph import functional_of, read_graph
+from tf_checkpointing.planning.measuring._allocator import expect_statistics
+from tf_checkpointing.planning.measuring._choices import expect_policies
+from tf_checkpointing.planning.plans._budget import expect_budget
+from tf_checkpointing.planning.plans._modes import expect_mode
+from tf_checkpointing.planning.plans._plan import ModelPlan
+from tf_checkpointing.planning.plans._plan_files import expect_folder
+from tf_checkpointing.planning.plans._reuse import remember
+from tf_checkpointing.planning.solving._model_planner import plan_graph
 
 __all__ = ["plan_model"]
 
@@ -71,7 +71,7 @@ def plan_model(model: Any, inputs: Any, *, budget: Union[int, float, str], mode:
     ``inputs`` with the device allocator (the state the layers change is put
     back), and picks the regions of consecutive calls to run checkpointed,
     with the least recomputation whose predicted peak fits ``budget`` (see
-    :mod:`tf_checkpointing.planning._regions` for the algorithm). The model is
+    :mod:`tf_checkpointing.planning.solving._regions` for the algorithm). The model is
     not changed: pass the plan to ``apply_checkpointing(model, plan=plan)``, or
     call ``apply_checkpointing(model, budget=...)`` with the same budget (and
     policies): its training calls run this plan where they would plan the same,
@@ -137,7 +137,7 @@ def plan_model(model: Any, inputs: Any, *, budget: Union[int, float, str], mode:
         plan = plan_graph(graph, inputs, checked, mode=mode, api=api,
                           runner=model_runner(graph), policies=candidates)
     # apply_checkpointing(model, budget=...) runs it where it would plan the same
-    # (a fit whose batch size is unknown, see planning._reuse).
+    # (a fit whose batch size is unknown, see planning.plans._reuse).
     remember(model, inputs, checked, candidates, plan)
     return plan
 

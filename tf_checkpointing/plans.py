@@ -26,9 +26,9 @@ inside that replay):
 
 from tf_checkpointing._sequential import plan_sequential as plan_sequential
 from tf_checkpointing._whole_model import plan_model as plan_model
-from tf_checkpointing.planning._plan import ModelPlan as ModelPlan
-from tf_checkpointing.planning._plan import Plan as Plan
-from tf_checkpointing.planning._plan import Segment as Segment
-from tf_checkpointing.planning._plan import SequentialPlan as SequentialPlan
+from tf_checkpointing.planning.plans._plan import ModelPlan as ModelPlan
+from tf_checkpointing.planning.plans._plan import Plan as Plan
+from tf_checkpointing.planning.plans._plan import Segment as Segment
+from tf_checkpointing.planning.plans._plan import SequentialPlan as SequentialPlan
 
 __all__ = ["ModelPlan", "Plan", "Segment", "SequentialPlan", "plan_model", "plan_sequential"]

@@ -45,7 +45,7 @@ def fresh_peaks(model: str, tiny: bool, spec: dict, steps: int,
     new process: ``batch``, ``jit``, and at most one of ``select`` (a layer class
     name, or ``"every"``), ``plan`` (a ``ModelPlan.to_config()``) and ``budget``. With
     ``tensors``, one more step is traced and the peak of its tensors (requested
-    bytes, see ``tf_checkpointing.planning._requested``) is appended."""
+    bytes, see ``tf_checkpointing.planning.measuring._requested``) is appended."""
     # The spec goes in a file: a ResNet50 plan's config (its calls' kinds, which a
     # plan is checked against) is over the 128 KiB Linux allows one argument.
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as file:
@@ -97,7 +97,7 @@ def main(argv: Optional[list[str]] = None) -> None:
 
         import tf_checkpointing as tc
         from tf_checkpointing.core._memory import grow_cpu_pool
-        from tf_checkpointing.planning._requested import requested_peak
+        from tf_checkpointing.planning.measuring._requested import requested_peak
 
     grow_cpu_pool()  # as the benchmark's process: XLA's buffer counted at its size
     model, batch_of, _, _ = build(model_name, tiny)

@@ -101,7 +101,8 @@ def worker(name: str, tiny: bool, budgets: int, only: str = "", rounds: int = 7)
         # the median of a few steps (the executor's op order moves a U-Net step's
         # peak by up to 6 MiB of 25), and their largest (what must fit).
         # One more step traced: the peak of its tensors (requested bytes), which the
-        # planner models, beside the allocator's chunks (see tf_checkpointing.planning._requested).
+        # planner models, beside the allocator's chunks (see
+        # tf_checkpointing.planning.measuring._requested).
         peaks = fresh_peaks(name, tiny, dict(spec, jit=jit, batch=_batch(inputs)),
                             1 if tiny else PEAK_STEPS, tensors=not tiny)
         tensor_mib = None if tiny else peaks.pop()

@@ -5,8 +5,9 @@ call's own gradient, without that trace."""
 import keras
 import tensorflow as tf
 
-from tf_checkpointing.planning import _model_profile, _saved_tensors
-from tf_checkpointing.planning._graph import read_graph, repeated_calls
+from tf_checkpointing.planning.layer_graph import _saved_tensors
+from tf_checkpointing.planning.layer_graph._layer_graph import read_graph, repeated_calls
+from tf_checkpointing.planning.solving import _model_profile
 
 
 def _model():

@@ -17,9 +17,9 @@ from conftest import compile_step
 from helpers import STEP, Replays, assert_all_close, run_script
 
 import tf_checkpointing as tc
-from tf_checkpointing.planning import _chain
-from tf_checkpointing.planning._frozen import backprop_calls, frozen_prefix
-from tf_checkpointing.planning._graph import read_graph
+from tf_checkpointing.planning.layer_graph._frozen import backprop_calls, frozen_prefix
+from tf_checkpointing.planning.layer_graph._layer_graph import read_graph
+from tf_checkpointing.planning.solving import _chain
 
 
 def frozen_blocks(frozen=2, blocks=4, width=8):

@@ -12,11 +12,11 @@ import tensorflow as tf
 from helpers import Counter, assert_all_close, grads_of
 
 from tf_checkpointing import CheckpointedSequential, checkpoint_sequential
-from tf_checkpointing.planning import _rotor
-from tf_checkpointing.planning._chain_model import predict_peak
-from tf_checkpointing.planning._layer_profile import ChainProfile, LayerProfile
-from tf_checkpointing.planning._plan import Segment, SequentialPlan
-from tf_checkpointing.planning._rotor import _inner, solve
+from tf_checkpointing.planning.measuring._layer_profile import ChainProfile, LayerProfile
+from tf_checkpointing.planning.plans._plan import Segment, SequentialPlan
+from tf_checkpointing.planning.solving import _rotor
+from tf_checkpointing.planning.solving._chain_costs import predict_peak
+from tf_checkpointing.planning.solving._rotor import _inner, solve
 from tf_checkpointing.plans import plan_sequential
 
 MIB = 2**20
@@ -363,11 +363,11 @@ def test_a_budget_string_other_than_min_names_the_choices(budget):
 def test_identical_layers_share_one_graph_profile(monkeypatch):
     # A transformer's blocks: the same class, configuration and weight shapes on the
     # same input shapes are traced and measured once; a different layer is not.
-    from tf_checkpointing.planning import _graph_profile
+    from tf_checkpointing.planning.measuring import _step_profile
 
     measured = []
-    original = _graph_profile._graph_layer
-    monkeypatch.setattr(_graph_profile, "_graph_layer",
+    original = _step_profile._graph_layer
+    monkeypatch.setattr(_step_profile, "_graph_layer",
                         lambda call, x, y, device, name: measured.append(name) or original(
                             call, x, y, device, name))
     keras.utils.set_random_seed(0)
@@ -383,7 +383,7 @@ def test_identical_layers_share_one_graph_profile(monkeypatch):
 def test_identical_layers_are_timed_once(monkeypatch):
     # A call that computes what an earlier one does gets its time and untaped peak:
     # it is run for its output, not timed again.
-    from tf_checkpointing.planning import _layer_profile
+    from tf_checkpointing.planning.measuring import _layer_profile
 
     timed = []
     original = _layer_profile.forward_seconds
@@ -402,9 +402,9 @@ def test_readings_stop_once_their_median_is_settled(monkeypatch):
     # GRAPH_RUNS (a layer's) or PLAIN_STEPS (the plain step's): more runs could not
     # move the median. An allocator that reads the same in every run stands in for
     # one on a quiet machine (a busy one moves readings by a chunk or two).
-    from tf_checkpointing.planning import _graph_profile
+    from tf_checkpointing.planning.measuring import _step_profile
 
-    class Steady(_graph_profile.Allocator):
+    class Steady(_step_profile.Allocator):
         def current(self):
             return 0
 
@@ -416,27 +416,27 @@ def test_readings_stop_once_their_median_is_settled(monkeypatch):
             return 0
 
     asked = []
-    original = _graph_profile.median_settled
-    monkeypatch.setattr(_graph_profile, "Allocator", Steady)
-    monkeypatch.setattr(_graph_profile, "median_settled",
+    original = _step_profile.median_settled
+    monkeypatch.setattr(_step_profile, "Allocator", Steady)
+    monkeypatch.setattr(_step_profile, "median_settled",
                         lambda values, runs: asked.append((len(values), runs)) or original(
                             values, runs))
     plan_sequential([keras.layers.ReLU()], tf.random.normal([64, 32]), budget=2**40,
                     mode="graph")
     runs_of = {runs: max(n for n, r in asked if r == runs) for _, runs in asked}
-    assert runs_of == {_graph_profile._GRAPH_RUNS: _graph_profile._GRAPH_RUNS // 2 + 1,
-                       _graph_profile._PLAIN_STEPS: _graph_profile._PLAIN_STEPS // 2 + 1}
+    assert runs_of == {_step_profile._GRAPH_RUNS: _step_profile._GRAPH_RUNS // 2 + 1,
+                       _step_profile._PLAIN_STEPS: _step_profile._PLAIN_STEPS // 2 + 1}
     assert original([3, 3, 3], 5) and not original([3, 5, 5, 3], 5)
 
 
 def test_an_xla_profile_measures_no_tf_function_plain_step(monkeypatch):
     # An XLA plan reads the plain step compiled by XLA; the tf.function one, a trace
     # and a few runs of the whole step, would be thrown away.
-    from tf_checkpointing.planning import _graph_profile
+    from tf_checkpointing.planning.measuring import _step_profile
 
     compiled = []
-    original = _graph_profile.graph_plain_peak
-    monkeypatch.setattr(_graph_profile, "graph_plain_peak",
+    original = _step_profile.graph_plain_peak
+    monkeypatch.setattr(_step_profile, "graph_plain_peak",
                         lambda calls, x, device, jit_compile=False, *args: compiled.append(
                             jit_compile) or original(calls, x, device, jit_compile, *args))
     plan = plan_sequential([keras.layers.Dense(32, activation="relu") for _ in range(3)],

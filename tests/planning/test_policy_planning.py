@@ -14,11 +14,11 @@ from test_planner import _synthetic
 
 from tf_checkpointing import CheckpointedSequential, checkpoint_sequential, policies
 from tf_checkpointing._sequential import run_plan
-from tf_checkpointing.planning import _rotor
-from tf_checkpointing.planning._chain_model import extra_seconds, fitted_chain, predict_peak
-from tf_checkpointing.planning._choices import PolicyChoices, expect_policies
-from tf_checkpointing.planning._plan import Segment, SequentialPlan
-from tf_checkpointing.planning._rotor import _inner, solve
+from tf_checkpointing.planning.measuring._choices import PolicyChoices, expect_policies
+from tf_checkpointing.planning.plans._plan import Segment, SequentialPlan
+from tf_checkpointing.planning.solving import _rotor
+from tf_checkpointing.planning.solving._chain_costs import extra_seconds, fitted_chain, predict_peak
+from tf_checkpointing.planning.solving._rotor import _inner, solve
 from tf_checkpointing.plans import plan_sequential
 
 DOTS, NO_BATCH = policies.dots_saveable, policies.dots_with_no_batch_dims_saveable
@@ -309,7 +309,7 @@ def test_a_normalizations_moments_are_read_from_the_forward_not_listed(monkeypat
     # At 3x3 pixels a BatchNormalization's moments are 2.8% of its input: more than
     # 1/64, at most POLICY_SMALL_KEPT. The model planner takes the forward's bytes,
     # which equal the listing's, without tracing the replay and gradient per policy.
-    from tf_checkpointing.planning import _choices
+    from tf_checkpointing.planning.measuring import _choices
 
     layer = keras.layers.BatchNormalization()
     x = tf.random.normal([8, 3, 3, 64])

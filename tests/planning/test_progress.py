@@ -5,7 +5,7 @@ import tensorflow as tf
 from helpers import residual_net
 
 import tf_checkpointing as tc
-from tf_checkpointing.planning import _progress
+from tf_checkpointing.planning.measuring import _progress
 
 
 def test_a_long_planning_tells_what_it_measures(capsys, monkeypatch):

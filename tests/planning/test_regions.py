@@ -11,9 +11,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from tf_checkpointing.planning._model import _CHUNKS, chunk_factor
-from tf_checkpointing.planning._region_solver import solve
-from tf_checkpointing.planning._regions import GraphCosts, RegionModel
+from tf_checkpointing.planning.solving._model_planner import _CHUNKS, chunk_factor
+from tf_checkpointing.planning.solving._region_solver import solve
+from tf_checkpointing.planning.solving._regions import GraphCosts, RegionModel
 
 
 def _chain_costs(n=4, kept=10.0):
@@ -119,7 +119,7 @@ def test_branches_beside_each_other_run_their_backward_together():
     model = RegionModel(_block_costs(_SAVERS))
     # Call 3 (the shortcut) is beside calls 1 and 2; call 4 (the add) and call 0 are not.
     assert list(model.costs.bwd[[1, 2, 3]]) == [1, 8, 3]
-    from tf_checkpointing.planning._lifetimes import concurrent_backward
+    from tf_checkpointing.planning.measuring._lifetimes import concurrent_backward
     beside = concurrent_backward(model.costs)
     assert beside[3] == 8.0 and beside[1] == 3.0 and beside[2] == 3.0
     assert beside[0] == 0.0 and beside[4] == 0.0
@@ -159,7 +159,7 @@ def test_a_replay_counts_a_backward_that_allocates_after_its_output_is_freed():
 def _add_graph(later_reader, op=False):
     import keras
 
-    from tf_checkpointing.planning._graph import read_graph
+    from tf_checkpointing.planning.layer_graph._layer_graph import read_graph
 
     x = keras.Input((8,))
     short = keras.layers.Dense(8, name="short")(x)
@@ -179,8 +179,8 @@ def test_the_inputs_of_an_add_share_one_gradient_until_another_reader(later_read
     # tf.add passes its output's gradient to each same-shaped input: at the cut
     # before the Add, a branch output and a shortcut that nothing else reads
     # afterwards have one gradient tensor between them.
-    from tf_checkpointing.planning._graph import tensor_keys
-    from tf_checkpointing.planning._model_profile import _shared_gradients
+    from tf_checkpointing.planning.layer_graph._layer_graph import tensor_keys
+    from tf_checkpointing.planning.solving._model_profile import _shared_gradients
 
     graph = _add_graph(later_reader, op)
     sizes = {key: (32, True) for key in tensor_keys(graph)}

@@ -10,7 +10,7 @@ from helpers import Counter, assert_all_close, ran_in_fresh_process
 
 from tf_checkpointing import CheckpointedSequential, checkpoint_sequential
 from tf_checkpointing._sequential import run_plan
-from tf_checkpointing.planning._plan import Segment, SequentialPlan
+from tf_checkpointing.planning.plans._plan import Segment, SequentialPlan
 from tf_checkpointing.plans import plan_sequential
 
 MIB = 2**20

@@ -9,8 +9,8 @@ import pytest
 import tensorflow as tf
 
 import tf_checkpointing as tc
-from tf_checkpointing.planning import _model
-from tf_checkpointing.planning._graph import read_graph
+from tf_checkpointing.planning.layer_graph._layer_graph import read_graph
+from tf_checkpointing.planning.solving import _model_planner
 
 
 class Block(keras.layers.Layer):
@@ -36,7 +36,7 @@ def test_block_spans_are_the_calls_of_the_repeated_block():
     model = _model_of_blocks()
     plan = tc.ModelPlan.from_regions(model, [["stem"]])
     names = list(plan.names)
-    spans = _model.block_spans(read_graph(model, "test"))
+    spans = _model_planner.block_spans(read_graph(model, "test"))
     assert [names[a] for a, _, _ in spans] == ["block0", "block1", "block2"]
 
 
@@ -47,11 +47,11 @@ def test_the_least_plan_is_the_lower_measured_of_itself_and_the_blocks(monkeypat
     measured = {}
 
     def fake_measure(graph, inputs, api, runner, spans, region_policies=(), mode="xla"):
-        is_blocks = spans == _model.block_spans(graph)
+        is_blocks = spans == _model_planner.block_spans(graph)
         measured[is_blocks] = spans
         return 100 if is_blocks == blocks_lower else 200
 
-    monkeypatch.setattr(_model, "measure_plan", fake_measure)
+    monkeypatch.setattr(_model_planner, "measure_plan", fake_measure)
     plan = tc.plan_model(model, x, budget="min", mode="graph")
     assert set(measured) == {True, False}  # both measured
     blocks = [["block0"], ["block1"], ["block2"]]
@@ -60,5 +60,5 @@ def test_the_least_plan_is_the_lower_measured_of_itself_and_the_blocks(monkeypat
 
 
 def test_an_eager_least_plan_measures_nothing(monkeypatch):
-    monkeypatch.setattr(_model, "measure_plan", lambda *a, **k: pytest.fail("measured"))
+    monkeypatch.setattr(_model_planner, "measure_plan", lambda *a, **k: pytest.fail("measured"))
     tc.plan_model(_model_of_blocks(), tf.ones([4, 8]), budget="min", mode="eager")

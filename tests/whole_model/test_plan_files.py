@@ -207,7 +207,7 @@ def test_plan_cache_that_cannot_be_a_folder_is_refused_when_given(tmp_path):
 
 
 def test_plan_cache_that_cannot_be_written_warns_and_trains(tmp_path, monkeypatch):
-    from tf_checkpointing.planning import _plan_files
+    from tf_checkpointing.planning.plans import _plan_files
 
     def full(*args, **kwargs):
         raise OSError(28, "No space left on device")

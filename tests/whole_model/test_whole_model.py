@@ -333,8 +333,8 @@ def test_an_xla_plan_that_measures_above_its_budget_is_chosen_again():
     """XLA's peak is not a line in the model's peak (ResNet50's plans between the
     least and plain measured up to 24% above it): the plan chosen for a budget
     is measured, and chosen again on the curve through the measured points."""
-    from tf_checkpointing.planning._region_solver import Solution
-    from tf_checkpointing.planning._xla import XlaAnchor, plan_within
+    from tf_checkpointing.planning.solving._region_solver import Solution
+    from tf_checkpointing.planning.solving._xla import XlaAnchor, plan_within
 
     anchor = XlaAnchor(model_least=100, model_plain=400, least_bytes=250, plain_bytes=400)
 
@@ -365,8 +365,8 @@ def test_an_xla_plan_far_below_its_budget_is_chosen_again_keeping_more():
     measured 0.57x its budget, and recomputed what the budget had room to keep),
     the plan is chosen again on the curve through its measurement; a plan that
     then measures above the budget is not taken: the last that fit is."""
-    from tf_checkpointing.planning._region_solver import Solution
-    from tf_checkpointing.planning._xla import XlaAnchor, plan_within
+    from tf_checkpointing.planning.solving._region_solver import Solution
+    from tf_checkpointing.planning.solving._xla import XlaAnchor, plan_within
 
     anchor = XlaAnchor(model_least=100, model_plain=400, least_bytes=250, plain_bytes=400)
     candidates = [100, 150, 200, 250, 300, 350, 400]

@@ -16,8 +16,8 @@ import tensorflow as tf
 from helpers import STEP, assert_all_close, grads_of, partly_frozen, run_script, with_spans
 
 import tf_checkpointing as tc
-from tf_checkpointing.planning._frozen import backprop_calls
-from tf_checkpointing.planning._graph import read_graph
+from tf_checkpointing.planning.layer_graph._frozen import backprop_calls
+from tf_checkpointing.planning.layer_graph._layer_graph import read_graph
 
 
 def test_calls_backprop_reaches():

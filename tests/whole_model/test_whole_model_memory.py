@@ -208,8 +208,8 @@ def test_a_gradient_that_needs_no_replay_runs_no_backward():
 
 
 BATCHNORM_REPLAY = STEP + textwrap.dedent("""
-    from tf_checkpointing.planning._requested import requested_peak
-    from tf_checkpointing.planning import _model
+    from tf_checkpointing.planning.measuring._requested import requested_peak
+    from tf_checkpointing.planning.solving import _model_planner
 
     keras.utils.set_random_seed(0)
     x = keras.Input((32, 32, 8))
@@ -228,7 +228,7 @@ BATCHNORM_REPLAY = STEP + textwrap.dedent("""
     step = make_step(model)
     step(data)
     tensors = [requested_peak(lambda: step(data).numpy()) for _ in range(12)]
-    print("RESULT", json.dumps(dict(model=plan.predicted_peak_bytes / _model._CHUNKS,
+    print("RESULT", json.dumps(dict(model=plan.predicted_peak_bytes / _model_planner._CHUNKS,
                                     tensors=tensors)))
 """)
 

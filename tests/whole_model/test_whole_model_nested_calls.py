@@ -13,7 +13,7 @@ from conftest import compile_step
 from helpers import assert_all_close
 
 import tf_checkpointing as tc
-from tf_checkpointing.planning._graph import read_graph
+from tf_checkpointing.planning.layer_graph._layer_graph import read_graph
 
 
 def _backbone(name="base"):

@@ -19,7 +19,7 @@ import tensorflow as tf
 from helpers import assert_all_close, grads_of
 
 import tf_checkpointing as tc
-from tf_checkpointing.planning._graph import read_graph
+from tf_checkpointing.planning.layer_graph._layer_graph import read_graph
 
 
 class Unscaled(keras.layers.Layer):

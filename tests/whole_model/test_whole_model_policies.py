@@ -12,8 +12,8 @@ from helpers import assert_all_close, grads_of, ran_in_fresh_process, sgd_step
 
 import tf_checkpointing as tc
 from tf_checkpointing import policies
-from tf_checkpointing.planning import _choices
-from tf_checkpointing.planning._graph import read_graph
+from tf_checkpointing.planning.layer_graph._layer_graph import read_graph
+from tf_checkpointing.planning.measuring import _choices
 
 DOTS, NO_BATCH = policies.dots_saveable, policies.dots_with_no_batch_dims_saveable
 # Offered first for every region of a graph or XLA plan (see plan_model).
@@ -227,8 +227,8 @@ def test_a_large_family_is_timed_at_samples_of_its_sizes(monkeypatch):
     reductions policy (a few milliseconds, noisy): only ``POLICY_FAMILY_SAMPLES``
     of a family are timed, spread over its input sizes, and the others take the
     median ratio of their three nearest timed neighbours; bytes are all listed."""
-    from tf_checkpointing.planning import _graph_choices
-    from tf_checkpointing.planning._graph import repeated_calls
+    from tf_checkpointing.planning.layer_graph import _graph_choices
+    from tf_checkpointing.planning.layer_graph._layer_graph import repeated_calls
 
     timed_sizes = []
 

@@ -4,7 +4,7 @@ in a fresh process.
 XLA keeps buffers that do not shrink with checkpointing (the weights transposed
 for the backward convolutions, a MaxPool gradient's indices), so a plan for an
 XLA step is anchored at the measured XLA steps of the plain and the least plan
-(``planning/_xla.py``); and a CPU reading of an XLA step is one large buffer,
+(``planning/solving/_xla.py``); and a CPU reading of an XLA step is one large buffer,
 which the BFC allocator would count as the whole region it opens, so the first
 measurement grows the CPU pool (``_memory.grow_cpu_pool``). Each plan, the
 least and one halfway to plain, must peak within 1.05x of its budget: a budget

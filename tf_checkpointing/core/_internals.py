@@ -17,7 +17,10 @@ from keras.src.backend import KerasTensor, is_float_dtype, standardize_dtype  # 
 from keras.src.backend.common import global_state as keras_global_state  # _seeding, context
 from keras.src.backend.common import symbolic_scope  # _layer_proxy: shape inference
 from keras.src.backend.common.masking import get_keras_mask, set_keras_mask  # graph runner
-from keras.src.models.functional import operation_fn, unpack_singleton  # planning._graph
+from keras.src.models.functional import (  # planning.layer_graph._layer_graph
+    operation_fn,
+    unpack_singleton,
+)
 from keras.src.ops import numpy as keras_numpy_ops  # op nodes of a graph (`x + y`)
 from keras.src.ops.symbolic_arguments import SymbolicArguments  # _nested_inputs
 from keras.src.random.seed_generator import GLOBAL_SEED_GENERATOR  # _seeding
@@ -28,14 +31,16 @@ from tensorflow.python.autograph.core import config as autograph_config  # _deco
 from tensorflow.python.eager import context, forwardprop_util, record  # tape state
 from tensorflow.python.eager import tape as tape_lib  # _recompute: variable watching
 from tensorflow.python.framework import func_graph, op_callbacks, random_seed
-from tensorflow.python.framework import ops as tf_ops  # planning._no_trace: gradient registry
+from tensorflow.python.framework import (
+    ops as tf_ops,  # planning.measuring._leave_no_trace: gradient registry
+)
 from tensorflow.python.ops import (
     control_flow_util,
     control_flow_v2_func_graphs,
     gen_random_ops,
     gen_resource_variable_ops,
-    resource_variable_ops,  # planning._no_trace: every variable's storage class
-    stateful_random_ops,  # planning._no_trace: the global generator
+    resource_variable_ops,  # planning.measuring._leave_no_trace: every variable's storage class
+    stateful_random_ops,  # planning.measuring._leave_no_trace: the global generator
     tensor_array_ops,
 )
 
@@ -55,7 +60,7 @@ def dataset_batch_size(dataset: object) -> Optional[int]:
     return None
 
 
-try:  # the profiler's protobufs (planning._requested); a TensorFlow that moved them
+try:  # the profiler's protobufs (planning.measuring._requested); a TensorFlow that moved them
     from tensorflow.tsl.profiler.protobuf import xplane_pb2
 except ImportError:  # pragma: no cover - the XLA planner then reads the chunks
     xplane_pb2 = None

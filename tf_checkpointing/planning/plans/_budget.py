@@ -1,0 +1,88 @@
+"""The one validator of ``budget=``: bytes a training step may allocate, or ``"min"``.
+
+Every API that plans for memory (``plan_sequential``, ``plan_model``,
+``checkpoint_sequential``, ``CheckpointedSequential``, ``apply_checkpointing``)
+takes its budget through :func:`expect_budget`, so the type is one
+(:data:`Budget`) and the errors say the same thing, naming the caller.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal, Union
+
+import numpy as np
+
+# _LEAST_BYTES: a smaller budget is a unit slip (MiB, GiB), not bytes.
+from tf_checkpointing.planning._constants import LEAST_BYTES as _LEAST_BYTES
+
+__all__ = ["Budget", "LEAST", "expect_budget"]
+
+LEAST = "min"
+"""The budget that asks for the least memory any plan needs."""
+
+Budget = Union[int, Literal["min"]]
+"""A validated budget: bytes, or ``"min"``."""
+
+_MODEL_APIS = ("apply_checkpointing", "plan_model")
+_LEAST = ', or budget="min" for the least memory'
+# What else each API that validates a budget here accepts: only the chain APIs
+# take segments=, and apply_checkpointing takes select= instead of a budget.
+_BUDGET_ALTERNATIVES = {
+    "checkpoint_sequential": ', budget="min", or no budget (segments=k, fixed segments)',
+    "CheckpointedSequential": ', budget="min", or no budget (segments=k, fixed segments)',
+    "apply_checkpointing": ', budget="min", or no budget (select=[...layer names...] to '
+                           'choose the layers yourself)',
+}
+
+
+def expect_budget(budget: Any, api: str) -> Budget:
+    """``budget=`` validated, for every API that takes one: bytes as an int, or
+    ``"min"`` (the least-memory plan). ``api`` is the public function the user
+    called, which the error names.
+
+        >>> from tf_checkpointing.planning.plans._budget import expect_budget
+        >>> expect_budget(2**20, "plan_model"), expect_budget("min", "plan_model")
+        (1048576, 'min')
+    """
+    if isinstance(budget, str):
+        if budget == LEAST:
+            return LEAST
+        raise ValueError(
+            f"{api}: argument `budget` must be a number of bytes or \"min\"; received "
+            f"budget={budget!r}. Pass e.g. budget=512 * 2**20 for 512 MiB, or "
+            "budget=\"min\" for the least memory."
+        )
+    if isinstance(budget, bool) or not isinstance(budget, (int, float, np.integer,
+                                                          np.floating)):
+        raise TypeError(
+            f"{api}: argument `budget` must be a number of bytes or \"min\"; received "
+            f"{budget!r} of type {type(budget).__name__}. Pass e.g. budget=512 * 2**20 for "
+            "512 MiB, or budget=\"min\" for the least memory."
+        )
+    if not (budget > 0 and math.isfinite(budget)):
+        raise ValueError(
+            f"{api}: argument `budget` must be a positive, finite number of bytes; "
+            f"received budget={budget!r}. Pass e.g. budget=512 * 2**20 for 512 MiB"
+            f"{_BUDGET_ALTERNATIVES.get(api, _LEAST)}."
+        )
+    if budget < 1:
+        # A fraction of plain (budget=0.5) would be truncated to 0 bytes and
+        # fail only inside the first training step, naming budget=0.
+        planner = "plan_model(model, x" if api in _MODEL_APIS else "plan_sequential(layers, x"
+        raise ValueError(
+            f"{api}: argument `budget` is a number of bytes, not a fraction of the "
+            f"plain step's peak; received budget={budget!r}. For a fraction of plain, "
+            f"read plain's peak from a plan: plan = {planner}, budget='min'); then "
+            f"budget=int({budget!r} * plan.plain_peak_bytes)."
+        )
+    if budget < _LEAST_BYTES:
+        # No training step fits in a few bytes: budget=2.5 meant MiB or GiB, and
+        # would fail only inside the first training step.
+        raise ValueError(
+            f"{api}: argument `budget` is a number of bytes; received budget={budget!r}, "
+            f"less than {_LEAST_BYTES} bytes, which no training step fits in. Pass "
+            f"e.g. budget={budget!r} * 2**20 for {budget!r} MiB, or "
+            f"budget={budget!r} * 2**30 for GiB{_BUDGET_ALTERNATIVES.get(api, _LEAST)}."
+        )
+    return int(budget)

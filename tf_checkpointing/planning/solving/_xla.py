@@ -1,0 +1,285 @@
+"""Plans for an XLA step: the planners' model anchored at two measured XLA steps.
+
+Why a plan made from a graph profile overshoots under ``jit_compile=True``
+(read from XLA's own buffer assignment, ``XLA_FLAGS=--xla_dump_to=DIR
+--xla_dump_hlo_as_text``): XLA allocates one buffer for all of a step's
+temporaries, and its live bytes at the peak are the activations the graph
+model predicts *plus* buffers that do not shrink with checkpointing: the
+weights transposed for the backward convolutions (about the size of all
+weights) and, for a MaxPool the plan leaves plain, the index arrays of its
+gradient, which XLA's scheduler computes as soon as their inputs exist and
+keeps until the backward reads them. The replays are not merged into the
+forward. A planner that scales the per-layer numbers to the XLA plain step
+treats that constant part as proportional, and predicts the plans that keep
+little far too low.
+
+So for an XLA step the planners compile and measure one more step, the
+least-memory plan, and map their model's peak ``g`` through the line that
+takes the model's least and plain peaks to the measured ones: the constant
+part is the intercept, the activations the slope. A budget is met when the
+mapped peak fits it.
+
+The relation between ``g`` and XLA's peak is not a line, and depends on the
+model: plans between the least and plain can measure far above the line, and
+plans of equal ``g`` apart. So a whole-model plan for a budget is also
+checked: the plan chosen for the budget is compiled and measured, its
+measured peak becomes one more point of the mapping (a monotone
+piecewise-linear curve through every point measured for the profile), and if
+it does not fit, the plan is chosen again on the corrected curve
+(:func:`plan_within`). The plan's predicted peak is then its own measurement,
+not the curve's, which is raised to keep it monotone.
+
+Each XLA step is measured by the bytes it requests (:mod:`..measuring._requested`),
+not by the allocator's chunks, which depend on the free chunks the profile
+left in the pool; and as a training step (a loss's gradient, an SGD update:
+``measuring._step_profile.graph_plain_peak``), which XLA schedules otherwise than a
+backward with a constant output gradient and gradients only summed.
+
+The measurements behind all of this: docs/decisions/0023-xla-plans.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, Callable, NamedTuple, Optional
+
+from tf_checkpointing.core._state import StateRecorder
+from tf_checkpointing.planning._cache import registered
+from tf_checkpointing.planning._constants import XLA_ANCHOR_CACHE_SIZE as _CACHE_SIZE
+from tf_checkpointing.planning._constants import XLA_BUDGET_USED as _USED
+from tf_checkpointing.planning.layer_graph._frozen import backprop_calls
+from tf_checkpointing.planning.layer_graph._layer_graph import LayerGraph
+from tf_checkpointing.planning.measuring import _progress
+from tf_checkpointing.planning.measuring._allocator import (
+    concrete_inputs,
+    in_fresh_thread,
+    memory_device,
+)
+from tf_checkpointing.planning.measuring._step_profile import eager_plain_peak, graph_plain_peak
+from tf_checkpointing.planning.plans._plan import ModelPlan, PlanRunner, pieces_of_spans
+from tf_checkpointing.planning.solving._region_solver import Solution
+
+__all__: list[str] = []
+
+_model_anchors: dict[Any, XlaAnchor] = registered({})  # per profile key: the measured least plan
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaAnchor:
+    """The model's peaks of the least and the plain plan, the XLA steps', and
+    any further plans measured (``points``: ``(model bytes, XLA bytes)``).
+
+    The mapping is the monotone piecewise-linear curve through all of them
+    (each measured peak raised to the largest measured at a smaller model
+    peak, so that a plan the model says needs more is never predicted to need
+    less); with no further points, the line through the two anchors.
+
+    Example:
+        >>> from tf_checkpointing.planning.solving._xla import XlaAnchor
+        >>> anchor = XlaAnchor(model_least=100, model_plain=400, least_bytes=250,
+        ...                    plain_bytes=400)
+        >>> anchor.predict(100), anchor.predict(400), anchor.predict(250)
+        (250.0, 400.0, 325.0)
+        >>> anchor.model_limit(325.0)
+        250.0
+        >>> bent = anchor.with_point(200, 370)   # a plan measured above the line
+        >>> bent.predict(200), bent.predict(150), bent.model_limit(310.0)
+        (370.0, 310.0, 150.0)
+    """
+
+    model_least: float
+    model_plain: float
+    least_bytes: int
+    plain_bytes: int
+    points: tuple[tuple[float, float], ...] = ()
+
+    @property
+    def helps(self) -> bool:
+        """Whether the least plan peaks below plain under XLA at all."""
+        return self.least_bytes < self.plain_bytes and self.model_least < self.model_plain
+
+    @property
+    def slope(self) -> float:
+        """The slope of the line through the two anchors (1 if it does not help)."""
+        if not self.helps:
+            return 1.0
+        return (self.plain_bytes - self.least_bytes) / (self.model_plain - self.model_least)
+
+    def with_point(self, model_bytes: float, xla_bytes: float) -> XlaAnchor:
+        """The anchor with one more plan measured (not below the least plan: the
+        least plan's peak, and so the least budget, stays the measured one)."""
+        if model_bytes <= self.model_least:
+            return self
+        return dataclasses.replace(self, points=(*self.points, (float(model_bytes),
+                                                                float(xla_bytes))))
+
+    def _curve(self) -> tuple[list[float], list[float]]:
+        """The curve's knots: model peaks (increasing) and XLA peaks (non-decreasing)."""
+        knots = sorted({(float(self.model_least), float(self.least_bytes)),
+                        (float(self.model_plain), float(self.plain_bytes)), *self.points})
+        xs: list[float] = []
+        ys: list[float] = []
+        for x, y in knots:
+            y = max(y, ys[-1]) if ys else y
+            if xs and x == xs[-1]:
+                ys[-1] = max(ys[-1], y)
+            else:
+                xs.append(x)
+                ys.append(y)
+        return xs, ys
+
+    def predict(self, model_bytes: float) -> float:
+        """The XLA peak of a plan the model predicts ``model_bytes`` for."""
+        if not self.helps:
+            return float(self.least_bytes + (model_bytes - self.model_least))
+        xs, ys = self._curve()
+        if model_bytes <= xs[0]:  # below the least plan: the anchors' slope
+            return ys[0] + self.slope * (model_bytes - xs[0])
+        if model_bytes >= xs[-1]:
+            return ys[-1] + self.slope * (model_bytes - xs[-1])
+        k = next(i for i in range(1, len(xs)) if model_bytes <= xs[i])
+        return ys[k - 1] + (ys[k] - ys[k - 1]) * (model_bytes - xs[k - 1]) / (xs[k] - xs[k - 1])
+
+    def model_limit(self, xla_bytes: float) -> float:
+        """The largest model peak whose mapped XLA peak is at most ``xla_bytes``."""
+        if not self.helps:
+            return float(self.model_least + (xla_bytes - self.least_bytes))
+        xs, ys = self._curve()
+        if xla_bytes < ys[0]:
+            return xs[0] + (xla_bytes - ys[0]) / self.slope
+        if xla_bytes >= ys[-1]:
+            return xs[-1] + (xla_bytes - ys[-1]) / self.slope
+        k = next(i for i in range(1, len(xs)) if xla_bytes < ys[i])
+        return xs[k - 1] + (xs[k] - xs[k - 1]) * (xla_bytes - ys[k - 1]) / (ys[k] - ys[k - 1])
+
+
+def measure_xla_step(run: Callable[[Any], Any], inputs: Any, api: str,
+                     variables: Sequence[Any] = (),
+                     trainable: Optional[Sequence[Any]] = None,
+                     jit: Optional[bool] = True) -> int:
+    """Peak of ``run``'s forward and backward as one ``tf.function`` compiled
+    with ``jit_compile=jit`` (each gradient consumed at once, as an optimizer in
+    the step does), or run eagerly (``jit=None``: the gradients held until an
+    optimizer would apply them), on ``inputs`` in a thread of its own; the state
+    it writes (BatchNorm statistics, seeds) and ``variables`` are put back."""
+
+    def measure() -> int:
+        x = concrete_inputs(inputs, api)
+        device = memory_device(x, api)
+        saved = [v.numpy() for v in variables]
+        recorder = StateRecorder()
+        with recorder:
+            try:
+                if jit is None:
+                    return eager_plain_peak([run], x, device, trainable)
+                return graph_plain_peak([run], x, device, jit, applied=True,
+                                        trainable=trainable)
+            finally:
+                recorder.restore_before()
+                for v, value in zip(variables, saved):
+                    v.assign(value)
+
+    return int(in_fresh_thread(measure))
+
+
+def model_anchor(key: Any, graph: Any, inputs: Any, least_spans: tuple, runner: PlanRunner, *,
+                 model_least: float, model_plain: float, api: str,
+                 least_policies: tuple = ()) -> XlaAnchor:
+    """The anchor of a whole-model plan for an XLA step: its plain step and its
+    least plan (``least_spans``, its regions under ``least_policies``) compiled
+    and measured, once per profile ``key``."""
+    if key not in _model_anchors:
+        plain_bytes = measure_plan(graph, inputs, api, runner, ())
+        least_bytes = measure_plan(graph, inputs, api, runner, least_spans,
+                                   least_policies) if least_spans else plain_bytes
+        _model_anchors[key] = XlaAnchor(model_least=model_least, model_plain=model_plain,
+                                        least_bytes=least_bytes, plain_bytes=plain_bytes)
+        while len(_model_anchors) > _CACHE_SIZE:
+            _model_anchors.pop(next(iter(_model_anchors)))
+    return _model_anchors[key]
+
+
+def measure_plan(graph: LayerGraph, inputs: Any, api: str, runner: PlanRunner, spans: tuple,
+                 region_policies: tuple = (), mode: str = "xla",
+                 blocks: tuple = ()) -> int:
+    """The peak of the step (``mode``: ``"eager"``, ``"graph"`` or ``"xla"``) of
+    ``graph``'s model run (by ``runner``) by the plan of ``spans`` and of the
+    ``blocks`` inside its calls (see ``ModelPlan.blocks``)."""
+    names = tuple(call.name for call in graph.calls)
+    plan = ModelPlan(names, pieces_of_spans(0, len(names), spans, region_policies), mode=mode,
+                     blocks=tuple(blocks))
+    _progress.step(_MEASURING[mode])
+    return measure_xla_step(runner(plan), inputs, api,
+                            graph.model.non_trainable_variables,
+                            jit=None if mode == "eager" else mode == "xla",
+                            trainable=fit_sources(graph, mode))
+
+
+_MEASURING = {"eager": "measuring eager steps", "graph": "compiling and measuring graph steps",
+              "xla": "compiling and measuring XLA steps"}
+
+
+def fit_sources(graph: LayerGraph, mode: str) -> Optional[Sequence[Any]]:
+    """What a whole-model step is differentiated for: the model's trainable
+    variables, as ``Model.fit`` differentiates them, under XLA or where backprop
+    does not reach every call (a frozen backbone); else None (the inputs too, as
+    the graph profile was validated). XLA compiles the step as one program, so a
+    measured step should be the program ``fit`` runs: with the inputs' gradient
+    it held one convolution more (the first layer's input gradient, which nobody
+    reads)."""
+    if mode == "xla" or not all(backprop_calls(graph, mode)):
+        return graph.model.trainable_variables
+    return None
+
+
+def forget_model_anchor(key: Any) -> Optional[XlaAnchor]:
+    """Drops the anchor measured for profile ``key`` (its profile was replaced)."""
+    return _model_anchors.pop(key, None)
+
+
+class XlaChoice(NamedTuple):
+    """What :func:`plan_within` chose: the plan (None: none fit, take the least
+    plan), its measured XLA peak (None: not measured, a plan of no region), and
+    the anchor with every measured plan added."""
+
+    solution: Optional[Solution]
+    measured_bytes: Optional[int]
+    anchor: XlaAnchor
+
+
+def plan_within(key: Any, anchor: XlaAnchor, usable: float,
+                solve_for: Callable[[float], Optional[Solution]],
+                measure_spans: Callable[[tuple, tuple], int],
+                tries: int = 3, *, used: float = _USED) -> XlaChoice:
+    """The plan for an XLA budget of ``usable`` bytes, checked by measuring it.
+
+    ``solve_for(limit)`` returns the plan with the least recomputation whose
+    model peak (its ``value``) fits ``limit``, or None; ``measure_spans``
+    compiles and measures a plan's XLA step. Each measured plan becomes a point
+    of the anchor (kept for ``key``, so later budgets start from the corrected
+    curve). A plan that measured above ``usable`` is chosen again on the
+    corrected curve; so is one that used less than ``used`` of it (the curve
+    was above the step, and a plan keeping more recomputes less); up to
+    ``tries`` plans are measured, and the last that fit is chosen."""
+    fitting: Optional[tuple[Solution, int]] = None
+    measured_spans: set = set()
+    for _ in range(tries):
+        found = solve_for(anchor.model_limit(usable))
+        if found is None or not found.spans:
+            return XlaChoice(found, None, anchor) if fitting is None else XlaChoice(
+                *fitting, anchor)
+        if found.spans in measured_spans:  # the corrected curve chose it again
+            break
+        measured_spans.add(found.spans)
+        measured = measure_spans(found.spans, found.policies)
+        anchor = anchor.with_point(found.value, measured)
+        if key in _model_anchors:
+            _model_anchors[key] = anchor
+        if measured <= usable:
+            fitting = (found, measured)
+            if measured >= used * usable:
+                break
+    if fitting is not None:
+        return XlaChoice(*fitting, anchor)
+    return XlaChoice(None, None, anchor)
