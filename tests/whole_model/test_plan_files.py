@@ -183,11 +183,21 @@ def test_plan_cache_refuses_what_is_not_a_folder_with_a_budget(tmp_path):
         tc.apply_checkpointing(model, ["stem"], plan_cache=str(tmp_path))
 
 
+@pytest.fixture(scope="module")
+def cached_plan_name(tmp_path_factory):
+    """The file name under which the model of ``_cached_step`` is cached (planned once
+    for the module's tests)."""
+    folder = tmp_path_factory.mktemp("plan_cache")
+    _cached_step(folder)
+    (saved,) = folder.glob("plan-*.json")
+    return saved.name
+
+
 @pytest.mark.parametrize("content", ["[1, 2]", '"text"', "null", '{"key": 3}',
                                      '{"plan": []}', '{"plan": {"names": 5}}'])
-def test_plan_cache_replans_over_valid_json_that_is_not_a_plan(tmp_path, content):
-    _cached_step(tmp_path)
-    (saved,) = tmp_path.glob("plan-*.json")
+def test_plan_cache_replans_over_valid_json_that_is_not_a_plan(tmp_path, content,
+                                                              cached_plan_name):
+    saved = tmp_path / cached_plan_name
     saved.write_text(content)
     with pytest.warns(UserWarning, match=r"plan_cache.*cannot be used.*planning again"):
         model = _cached_step(tmp_path)
