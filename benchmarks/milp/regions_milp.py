@@ -167,6 +167,9 @@ def _matrices(problem: RegionProblem, limit: Optional[float], scale: float):
     # per step: held before it plus its need (and held after it) within the limit
     # (or within the peak P; then y_e <= bound * x_e keeps y_e at 0 off the path)
     top = np.maximum(need, held)
+    least_held = np.zeros(m)
+    if limit is not None:
+        least_held, top = _tightened(problem, need, held, limit / scale)
     if limit is None:
         bound = float(held[[v is None for v in problem.variant]].sum() + need.max())
         at = rows(m, -np.inf, 0.0)
@@ -180,6 +183,9 @@ def _matrices(problem: RegionProblem, limit: Optional[float], scale: float):
         at = rows(m, -np.inf, 0.0)
         block(at + steps, m + steps, 1.0)
         block(at + steps, steps, top - limit / scale)
+        at = rows(m, -np.inf, 0.0)  # y_e >= least_held_e x_e
+        block(at + steps, m + steps, -1.0)
+        block(at + steps, steps, least_held)
     # state at cuts 1..n-1: a plain call a may not follow a region ending at a
     at = rows(n - 1, -np.inf, 1.0) - 1
     plain = np.array([v is None for v in problem.variant])
@@ -195,11 +201,35 @@ def _matrices(problem: RegionProblem, limit: Optional[float], scale: float):
     else:
         objective[:m] = problem.work / max(problem.work.max(), 1e-12)
     # A step that cannot fit is never taken; none starting at cut 0 holds anything before.
-    x_upper = np.where(top <= (np.inf if limit is None else limit / scale), 1.0, 0.0)
+    x_upper = np.where(least_held + top <= (np.inf if limit is None else limit / scale), 1.0, 0.0)
     y_upper = np.where(problem.start == 0, 0.0, np.inf)
     bounds = Bounds(np.zeros(2 * m + 1), np.concatenate([x_upper, y_upper, [np.inf]]))
     integrality = np.concatenate([np.ones(m), np.zeros(m + 1)])
     return objective, integrality, bounds, LinearConstraint(matrix, lower, upper)
+
+
+def _tightened(problem: RegionProblem, need: np.ndarray, held: np.ndarray,
+               limit: float) -> tuple[np.ndarray, np.ndarray]:
+    """Per step, the least any path holds when it starts, and what it needs on
+    top of that to the end of any path after it: its own need and held bytes,
+    and its held bytes plus the least need of the rest (two passes over the
+    cuts, ignoring the state rows: bounds, valid for every plan, that the
+    relaxation does not find by itself)."""
+    n, top = problem.n, np.maximum(need, held)
+    by_end = [np.flatnonzero(problem.end == c) for c in range(n + 1)]
+    by_start = [np.flatnonzero(problem.start == c) for c in range(n + 1)]
+    least = np.full(n + 1, np.inf)  # least held at each cut, over paths that fit so far
+    least[0] = 0.0
+    for c in range(1, n + 1):
+        e = by_end[c]
+        fits = least[problem.start[e]] + top[e] <= limit
+        least[c] = np.min(least[problem.start[e]][fits] + held[e][fits], initial=np.inf)
+    rest = np.full(n + 1, np.inf)  # least need, above what is held at a cut, of the rest
+    rest[n] = 0.0
+    for c in reversed(range(n)):
+        e = by_start[c]
+        rest[c] = np.min(np.maximum(top[e], held[e] + rest[problem.end[e]]), initial=np.inf)
+    return least[problem.start], np.maximum(top, held + rest[problem.end])
 
 
 def solve_milp(problem: RegionProblem, limit: Optional[float], *,
