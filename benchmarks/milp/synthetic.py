@@ -49,8 +49,8 @@ def _unet(levels: int) -> list[list[int]]:
     return reads
 
 
-GRAPHS = {"chain": lambda: _chain(4), "residual": lambda: _residual(3),
-          "unet": lambda: _unet(3)}
+GRAPHS = {"chain": lambda: _chain(3), "residual": lambda: _residual(2),
+          "unet": lambda: _unet(2)}
 
 
 def region_model(reads: list[list[int]], seed: int) -> RegionModel:
