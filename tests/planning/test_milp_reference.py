@@ -1,0 +1,89 @@
+"""The region program against an exact reference: the same problem as a MILP.
+
+``benchmarks/milp/regions_milp.py`` states the whole-model planner's problem
+(the choice space and ``RegionModel`` tables of ``planning/solving/_regions.py``)
+as a mixed-integer program solved by HiGHS. On small graphs (a chain of Dense
+blocks, a residual CNN, a U-Net, with made-up costs and one save policy, regions
+offered nested too) the dynamic program must find the MILP's optimum of its own
+problem (held bytes rounded up to its units) exactly, its plans must fit the
+MILP's constraints, and the exact-bytes optimum must lie between the program's
+value at the budget and at the budget less one unit per step.
+"""
+
+import ast
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from benchmarks.milp import regions_milp as rm  # imports scipy only when it solves
+from benchmarks.milp.synthetic import GRAPHS, region_model
+from tf_checkpointing.planning._constants import REGION_UNITS
+from tf_checkpointing.planning.solving._region_solver import nested_options, solve
+
+SHARES = (0.15, 0.6)  # budgets from the least peak towards plain's
+
+
+def _close(a, b):
+    return a is not None and b is not None and np.isclose(a, b, rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("graph", sorted(GRAPHS))
+def test_the_program_finds_the_milp_optimum(graph):
+    pytest.importorskip("scipy")  # the test and bench extras' (HiGHS, through scipy)
+    model = region_model(GRAPHS[graph](), seed=1)
+    nested = nested_options(model)
+    problem = rm.region_problem(model, nested)
+    least = solve(model, None, nested=nested)
+    # The least peak: the program's (held rounded up to its units of plain's peak).
+    plain = model.peak(())
+    assert _close(rm.solve_milp(rm.rounded(problem, plain / REGION_UNITS), None).value,
+                  least.value)
+    assert rm.solve_milp(problem, None).value <= least.value * (1 + 1e-6)
+    for share in SHARES:
+        limit = least.value + share * (plain - least.value)
+        unit = limit / REGION_UNITS
+        found = solve(model, limit, nested=nested)
+        assert found is not None, share
+        # The program's own problem: the same optimum, and its plan fits the MILP's rows.
+        assert _close(rm.solve_milp(rm.rounded(problem, unit), limit).value, found.value)
+        steps = rm.steps_of(problem, found)
+        assert rm.violation(problem, steps, limit) <= 1e-9 * limit
+        assert np.isclose(problem.work @ steps, found.value)
+        # Exact bytes: at most the program's work, and the program with one unit
+        # per step more does at least as well.
+        exact = rm.solve_milp(problem, limit).value
+        assert exact <= found.value * (1 + 1e-6)
+        tighter = rm.solve_milp(problem, limit - model.n * unit).value
+        if tighter is not None:
+            assert found.value <= tighter * (1 + 1e-6)
+
+
+def test_the_milp_plan_is_a_plan_of_the_program():
+    pytest.importorskip("scipy")
+    model = region_model(GRAPHS["residual"](), seed=0)
+    problem = rm.region_problem(model)
+    least = rm.solve_milp(problem, None)
+    assert least.status == "optimal" and least.value <= solve(model, None).value * (1 + 1e-6)
+    limit = (least.value + model.peak(())) / 2
+    result = rm.solve_milp(problem, limit)
+    assert result.status == "optimal" and result.solution.spans
+    steps = rm.steps_of(problem, result.solution)  # decoded and encoded again
+    assert rm.violation(problem, steps, limit) <= 1e-9 * limit
+    assert np.isclose(problem.work @ steps, result.value)
+    # The same plan, modelled by RegionModel itself, fits and costs the same.
+    spans, policies = result.solution.spans, result.solution.policies
+    assert model.peak(spans, policies=policies) <= limit * (1 + 1e-9)
+    assert np.isclose(model.extra_work(spans, policies), result.value)
+    # A budget no plan fits: HiGHS proves it.
+    assert rm.solve_milp(problem, 0.99 * least.value).status == "infeasible"
+
+
+def test_the_package_never_imports_scipy():
+    # scipy is a test and benchmark extra (the MILP reference), not a dependency.
+    package = Path(rm.__file__).resolve().parents[2] / "tf_checkpointing"
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(n.split(".")[0] == "scipy" for n in names), path
