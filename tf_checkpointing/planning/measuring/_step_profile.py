@@ -4,7 +4,7 @@ A ``tf.function`` step keeps fewer bytes than eager backprop (its backward
 graph reads only some intermediates, and frees them as it goes), so each layer
 runs its forward and backward as one graph, with the allocator read at a
 ``py_function`` between the two (:func:`graph_profile`), and the whole chain's
-plain step is measured as one graph (:func:`graph_plain_peak`), which the
+plain step is measured as one graph (:func:`graph_plain_step`), which the
 planners calibrate their per-layer numbers to.
 """
 

@@ -30,6 +30,7 @@ from tf_checkpointing.planning.layer_graph._graph_choices import policy_arrays
 from tf_checkpointing.planning.layer_graph._layer_graph import LayerGraph
 from tf_checkpointing.planning.measuring import _progress
 from tf_checkpointing.planning.measuring._leave_no_trace import nothing_left
+from tf_checkpointing.planning.measuring._step_profile import StepReading
 from tf_checkpointing.planning.plans._budget import LEAST, Budget
 from tf_checkpointing.planning.plans._modes import step_mode
 from tf_checkpointing.planning.plans._plan import ModelPlan, PlanRunner, pieces_of_spans
@@ -46,7 +47,6 @@ from tf_checkpointing.planning.solving._region_solver import (
     nested_options,
     solve,
 )
-from tf_checkpointing.planning.measuring._step_profile import StepReading
 from tf_checkpointing.planning.solving._step_time import (
     StepTime,
     block_work,

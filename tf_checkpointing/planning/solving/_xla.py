@@ -32,7 +32,7 @@ not the curve's, which is raised to keep it monotone.
 Each XLA step is measured by the bytes it requests (:mod:`..measuring._requested`),
 not by the allocator's chunks, which depend on the free chunks the profile
 left in the pool; and as a training step (a loss's gradient, an SGD update:
-``measuring._step_profile.graph_plain_peak``), which XLA schedules otherwise than a
+``measuring._step_profile.graph_plain_step``), which XLA schedules otherwise than a
 backward with a constant output gradient and gradients only summed.
 
 The measurements behind all of this: docs/decisions/0023-xla-plans.md.
