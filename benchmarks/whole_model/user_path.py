@@ -53,6 +53,7 @@ MODELS = ("resnet50", "convnext_tiny", "vit", "stack")
 MODES = ("graph", "xla")
 STRATEGIES = ("plain", "per-block", "min", "halfway")
 STEPS = 5  # peaks measured after the first call
+TIMED = 7  # steps timed after those (the median is the measured step time)
 
 
 def _stack_model() -> tuple[Any, Any]:
@@ -171,14 +172,51 @@ def worker(name: str, mode: str, strategy: str) -> dict:
     result["first_peak_mib"] = first.peak_bytes / 2**20
     result["peaks_mib"] = [tc.debug.measure(lambda: model.train_on_batch(x, y)).peak_bytes
                            / 2**20 for _ in range(STEPS)]
+    result["step_seconds"] = _timed_steps(lambda: model.train_on_batch(x, y))
     plan = getattr(model.call, "plan", None)
     if plan is not None and strategy in ("min", "halfway"):
         result["regions"] = len(plan.regions)
         result["blocks"] = len(plan.blocks)
         result["predicted_mib"] = plan.predicted_peak_bytes / 2**20
+        result["predicted_step_s"] = plan.predicted_step_seconds
+        result["plain_step_s"] = plan.plain_step_seconds
+        result["replay_s"] = plan.predicted_extra_seconds  # the profile's unit
+        result["profile_forward_s"] = _profile_forward_seconds()
         if strategy == "min":
             result["least_budget_mib"] = plan.min_budget_bytes / 2**20
+    if strategy == "plain":
+        result["forward_step_s"] = _forward_seconds(model, x, mode)
     return result
+
+
+def _timed_steps(step: Any) -> list[float]:
+    """The wall times of ``TIMED`` calls of ``step`` (each returns when its step is done)."""
+    times = []
+    for _ in range(TIMED):
+        started = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - started)
+    return times
+
+
+def _forward_seconds(model: Any, x: Any, mode: str) -> float:
+    """The least of five forward-only runs (training=True) as one function in
+    ``mode``: a candidate unit for the replays' time (decision 0038)."""
+    import tensorflow as tf
+
+    forward = tf.function(lambda v: model(v, training=True), jit_compile=mode == "xla")
+    x = tf.constant(x)
+    forward(x).numpy()
+    return min(_timed_steps(lambda: forward(x).numpy()))
+
+
+def _profile_forward_seconds() -> float:
+    """The sum of the per-call forward seconds of the profile the plan came from
+    (the newest in the planner's cache)."""
+    from tf_checkpointing.planning.solving import _model_profile
+
+    *_, (_, _, costs) = _model_profile._profiles.values()
+    return float(costs.cost.sum())
 
 
 def _run(name: str, mode: str, strategy: str) -> dict:

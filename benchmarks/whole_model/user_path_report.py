@@ -86,6 +86,57 @@ def targets(rows: list[dict]) -> list[str]:
     return out
 
 
+def _seconds(row: Optional[dict]) -> Optional[float]:
+    """The median of a strategy's timed steps (after the peaks' steps)."""
+    return statistics.median(row["step_seconds"]) if row and row.get("step_seconds") else None
+
+
+def time_table(rows: list[dict]) -> str:
+    """Per plan: the planner's predicted step time against the measured median
+    (issue 50's time model), and both as ratios to plain's.
+
+    Example:
+        >>> rows = [dict(model="m", mode="graph", strategy="plain", step_seconds=[0.1]),
+        ...         dict(model="m", mode="graph", strategy="min", step_seconds=[0.12],
+        ...              predicted_step_s=0.126, plain_step_s=0.09)]
+        >>> print(time_table(rows).splitlines()[2])
+        | m | tf.function | min | 100.0 | 90.0 | 126.0 | 120.0 | 1.050 | 1.050 | 1.40x | 1.20x |
+    """
+    lines = ["| model | mode | plan | plain measured ms | plain in planning ms | "
+             "predicted ms | measured ms | predicted / measured | predicted / fastest step | "
+             "predicted x plain | measured x plain |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        if "error" in row or row.get("predicted_step_s") is None:
+            continue
+        plain = _seconds(_find(rows, row["model"], row["mode"], "plain"))
+        measured, predicted = _seconds(row), row["predicted_step_s"]
+        cells = [row["model"], MODE_NAMES.get(row["mode"], row["mode"]), row["strategy"],
+                 f"{plain * 1e3:.1f}" if plain else "-", f"{row['plain_step_s'] * 1e3:.1f}",
+                 f"{predicted * 1e3:.1f}", f"{measured * 1e3:.1f}" if measured else "-",
+                 f"{predicted / measured:.3f}" if measured else "-",
+                 f"{predicted / min(row['step_seconds']):.3f}" if measured else "-",
+                 f"{predicted / row['plain_step_s']:.2f}x",
+                 f"{measured / plain:.2f}x" if measured and plain else "-"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def time_targets(rows: list[dict]) -> list[str]:
+    """Issue 50's target: every plan's predicted step time within 10% of the measured."""
+    out = []
+    for row in rows:
+        measured = _seconds(row)
+        if "error" in row or row.get("predicted_step_s") is None or not measured:
+            continue
+        ratio = row["predicted_step_s"] / measured
+        out.append(f"{row['model']} {MODE_NAMES.get(row['mode'], row['mode'])} "
+                   f"{row['strategy']}: predicted {row['predicted_step_s'] * 1e3:.1f} ms "
+                   f"within 10% of measured {measured * 1e3:.1f} ms: "
+                   f"{'met' if abs(ratio - 1) <= 0.10 else 'NOT met'} ({ratio:.3f}x)")
+    return out
+
+
 def write(rows: list[dict], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "whole_model_user_path.json").write_text(json.dumps(rows, indent=1) + "\n")
@@ -112,6 +163,13 @@ def write(rows: list[dict], out: Path) -> None:
         table(rows),
         "## Targets (issue 48)",
         "\n".join(f"- {t}" for t in targets(rows)) or "- none measured",
+        "## Step time: predicted against measured (issue 50)",
+        "Measured: the median of seven `train_on_batch` steps after the peaks' steps. "
+        "Plain in planning: the plain step the planner timed (the least of five). "
+        "Predicted: the plan's `predicted_step_seconds`. Fastest step: the least of the "
+        "seven (the least disturbed by other processes on the shared machine).",
+        time_table(rows),
+        "\n".join(f"- {t}" for t in time_targets(rows)) or "- none measured",
         "## Every run",
         "\n".join(details),
     ] + (["## Errors", "\n".join(errors)] if errors else []))

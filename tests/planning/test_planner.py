@@ -435,8 +435,8 @@ def test_an_xla_profile_measures_no_tf_function_plain_step(monkeypatch):
     from tf_checkpointing.planning.measuring import _step_profile
 
     compiled = []
-    original = _step_profile.graph_plain_peak
-    monkeypatch.setattr(_step_profile, "graph_plain_peak",
+    original = _step_profile.graph_plain_step
+    monkeypatch.setattr(_step_profile, "graph_plain_step",
                         lambda calls, x, device, jit_compile=False, *args: compiled.append(
                             jit_compile) or original(calls, x, device, jit_compile, *args))
     plan = plan_sequential([keras.layers.Dense(32, activation="relu") for _ in range(3)],
@@ -448,7 +448,7 @@ def test_an_xla_profile_measures_no_tf_function_plain_step(monkeypatch):
 def test_planning_does_not_warn_of_retracing():
     # The planner traces a new plain step per profile on purpose; TensorFlow
     # counted them as one function's retraces and warned "5 out of the last 9 calls
-    # to <function graph_plain_peak.<locals>.chain> triggered tf.function retracing".
+    # to <function graph_plain_step.<locals>.chain> triggered tf.function retracing".
     layers = [keras.layers.Dense(8, activation="relu") for _ in range(3)]
     records = []
     handler = logging.Handler()

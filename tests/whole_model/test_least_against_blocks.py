@@ -10,6 +10,7 @@ import tensorflow as tf
 
 import tf_checkpointing as tc
 from tf_checkpointing.planning.layer_graph._layer_graph import read_graph
+from tf_checkpointing.planning.measuring._step_profile import StepReading
 from tf_checkpointing.planning.solving import _model_planner
 
 
@@ -49,7 +50,7 @@ def test_the_least_plan_is_the_lower_measured_of_itself_and_the_blocks(monkeypat
     def fake_measure(graph, inputs, api, runner, spans, region_policies=(), mode="xla"):
         is_blocks = spans == _model_planner.block_spans(graph)
         measured[is_blocks] = spans
-        return 100 if is_blocks == blocks_lower else 200
+        return StepReading(100 if is_blocks == blocks_lower else 200, 0.01)
 
     monkeypatch.setattr(_model_planner, "measure_plan", fake_measure)
     plan = tc.plan_model(model, x, budget="min", mode="graph")

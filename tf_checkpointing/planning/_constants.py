@@ -69,6 +69,9 @@ GRAPH_RUNS = 5
 PLAIN_STEPS = 3
 # Warm runs of a layer's forward; its time is the least of them.
 TIMED_RUNS = 3
+# Warm runs of a measured whole step (plain, or a plan's), timed after its peak's
+# readings; its time is the least of them (docs/decisions/0039-step-time-model.md).
+TIMED_STEPS = 5
 # Timing rounds per distinct call under each policy in a model's graph, more for a
 # call standing for several, up to POLICY_MAX_ROUNDS (docs/decisions/0011-policy-timing.md).
 POLICY_REPEATS = 3

@@ -32,7 +32,7 @@ def planning_function(fn: Callable[..., Any], **options: Any) -> Any:
 
     The planner traces a new function per layer, plan and model on purpose;
     TensorFlow would count the traces of closures sharing one code object and
-    warn that "5 out of the last 9 calls to <function graph_plain_peak.<locals>
+    warn that "5 out of the last 9 calls to <function graph_plain_step.<locals>
     .chain> triggered tf.function retracing", which reads as the user's fault.
     """
     function = tf.function(fn, autograph=False, **options)

@@ -88,6 +88,8 @@ class ChainProfile:
         frozen_prefix: how many leading layers no gradient reaches (see
             :func:`~tf_checkpointing.planning.layer_graph._frozen.chain_without_backward`):
             they run plainly in every plan.
+        plain_step_seconds: the time of the plain step measured for
+            ``plain_peak_bytes`` (compiled profiles; None: not timed).
     """
 
     layers: tuple[LayerProfile, ...]
@@ -99,6 +101,7 @@ class ChainProfile:
     xla: bool = False
     xla_anchor: Any = None
     frozen_prefix: int = 0
+    plain_step_seconds: Optional[float] = None
 
 
 def taped(call: Callable[[Any], Any], x: Any,

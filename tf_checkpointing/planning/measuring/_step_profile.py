@@ -4,15 +4,16 @@ A ``tf.function`` step keeps fewer bytes than eager backprop (its backward
 graph reads only some intermediates, and frees them as it goes), so each layer
 runs its forward and backward as one graph, with the allocator read at a
 ``py_function`` between the two (:func:`graph_profile`), and the whole chain's
-plain step is measured as one graph (:func:`graph_plain_peak`), which the
+plain step is measured as one graph (:func:`graph_plain_step`), which the
 planners calibrate their per-layer numbers to.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import keras
 import tensorflow as tf
@@ -20,6 +21,7 @@ import tensorflow as tf
 from tf_checkpointing.core._structure import is_differentiable
 from tf_checkpointing.planning._constants import GRAPH_RUNS as _GRAPH_RUNS
 from tf_checkpointing.planning._constants import PLAIN_STEPS as _PLAIN_STEPS
+from tf_checkpointing.planning._constants import TIMED_STEPS as _TIMED_STEPS
 from tf_checkpointing.planning.measuring import _progress
 from tf_checkpointing.planning.measuring._allocator import (
     Allocator,
@@ -39,7 +41,15 @@ from tf_checkpointing.planning.measuring._layer_profile import (
 )
 from tf_checkpointing.planning.measuring._requested import requested_peak
 
-__all__ = ["variable_ids"]
+__all__ = ["StepReading", "variable_ids"]
+
+
+class StepReading(NamedTuple):
+    """A measured training step: its peak (bytes above the level before it) and
+    its time (seconds, the least of a few warm runs; None: not timed)."""
+
+    peak_bytes: int
+    seconds: Optional[float] = None
 
 # _GRAPH_RUNS: runs of each layer's graph; the profile keeps the median readings.
 # _PLAIN_STEPS: plain steps measured (not under XLA, whose buffer is the same in each).
@@ -91,10 +101,11 @@ def graph_profile(calls, x, device, names, same_as, applied=False,
     # run to run (see docs/decisions/0027-graph-profile-readings.md).
     _progress.stage("compiling and measuring the plain XLA step" if xla
                     else "measuring the plain step")
-    plain_peak = graph_plain_peak(calls, inputs, device, xla, applied, trainable)
+    plain = graph_plain_step(calls, inputs, device, xla, applied, trainable)
     return ChainProfile(layers=tuple(layers), boundary_bytes=tuple(sizes),
-                        boundary_grad_bytes=tuple(grad_sizes), plain_peak_bytes=plain_peak,
-                        device=device, compiled=True, xla=xla)
+                        boundary_grad_bytes=tuple(grad_sizes), plain_peak_bytes=plain.peak_bytes,
+                        device=device, compiled=True, xla=xla,
+                        plain_step_seconds=plain.seconds)
 
 
 def _graph_layer(call, x, y, device, name) -> tuple[LayerProfile, int, int]:
@@ -174,10 +185,10 @@ def _reads(traced: list[Any]) -> Optional[BackwardReads]:
         return None
 
 
-def graph_plain_peak(calls, x, device, jit_compile: bool = False,
+def graph_plain_step(calls, x, device, jit_compile: bool = False,
                      applied: bool = False,
-                     trainable: Optional[Sequence[Any]] = None) -> int:
-    """Peak of the chain's plain forward and backward as one ``tf.function``
+                     trainable: Optional[Sequence[Any]] = None) -> StepReading:
+    """Peak and time of the chain's plain forward and backward as one ``tf.function``
     (with ``applied``: each weight gradient consumed at once by an SGD update,
     as by an optimizer; their values are put back after). The gradients are of
     the inputs and every variable the tape watched, or, given ``trainable``, of
@@ -191,6 +202,10 @@ def graph_plain_peak(calls, x, device, jit_compile: bool = False,
     write). A step whose gradients were only summed read below ``Model.fit``'s
     step, and a plan calibrated to it overran its budget (see
     docs/decisions/0028-plain-step-with-an-update.md).
+
+    The time is the least of a few warm steps, taken after the peak's readings
+    (the time model of whole-model plans starts from it, see
+    docs/decisions/0039-step-time-model.md).
 
     An XLA step (``jit_compile``) is measured as a training step too: the
     gradient of a loss (half the outputs' sum of squares) and the update. XLA
@@ -224,27 +239,44 @@ def graph_plain_peak(calls, x, device, jit_compile: bool = False,
     saved = [v.numpy().copy() for v in updated]
     try:
         sync(step(x))  # warm up
-        allocator = Allocator(device)
-        start = allocator.mark()
-        if jit_compile:
-            # XLA's one buffer at its size: the chunk it lands in depends on what
-            # the planner's own measurements left in the pool (see _requested).
-            requested = requested_peak(lambda: sync(step(x)), device)
-            if requested is not None:
-                return requested
-            return max(0, allocator.peak_since_mark() - start)  # that step's chunks
-        # The median of a few steps: which updates overlap which backward ops is
-        # the executor's choice, and moves a step's peak (see
-        # docs/decisions/0027-graph-profile-readings.md).
-        peaks: list[int] = []
-        while len(peaks) < _PLAIN_STEPS and not median_settled(peaks, _PLAIN_STEPS):
-            start = allocator.mark()
-            sync(step(x))
-            peaks.append(max(0, allocator.peak_since_mark() - start))
-        return median(peaks)
+        peak = _step_peak(lambda: sync(step(x)), device, jit_compile)
+        return StepReading(peak, step_seconds(lambda: sync(step(x))))
     finally:
         for variable, value in zip(updated, saved):
             variable.assign(value)
+
+
+def _step_peak(run: Callable[[], Any], device: str, jit_compile: bool) -> int:
+    """The peak of a warm step ``run()``: under XLA the bytes its one buffer
+    requests (the chunk it lands in depends on what the planner's own
+    measurements left in the pool, see _requested), else the median of a few
+    steps' chunks (which updates overlap which backward ops is the executor's
+    choice, and moves a step's peak; see docs/decisions/0027-graph-profile-readings.md)."""
+    allocator = Allocator(device)
+    start = allocator.mark()
+    if jit_compile:
+        requested = requested_peak(run, device)
+        if requested is not None:
+            return requested
+        return max(0, allocator.peak_since_mark() - start)  # that step's chunks
+    peaks: list[int] = []
+    while len(peaks) < _PLAIN_STEPS and not median_settled(peaks, _PLAIN_STEPS):
+        start = allocator.mark()
+        run()
+        peaks.append(max(0, allocator.peak_since_mark() - start))
+    return median(peaks)
+
+
+def step_seconds(run: Callable[[], Any], runs: int = _TIMED_STEPS) -> float:
+    """The least time of ``runs`` warm runs of ``run()`` (each waiting for its
+    result): the least is the step's time with the least interference from
+    whatever else the machine runs."""
+    best = float("inf")
+    for _ in range(runs):
+        started = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - started)
+    return best
 
 
 def eager_plain_peak(calls, x, device, trainable: Optional[Sequence[Any]] = None) -> int:

@@ -235,6 +235,12 @@ class ModelPlan(Plan):
             ``ViTEncoder`` runs its ``ViTEncoderBlock`` s in a loop, where no
             region of the graph reaches).
         block_names: for display, ``"call/block"`` for each of ``blocks``.
+        plain_step_seconds: the plain training step's time in ``mode``,
+            measured while planning (None: not timed, e.g. an eager plan or one
+            read from a file written before 0.2).
+        predicted_step_seconds: this plan's step time as the planner's time
+            model predicts it: the plain step plus its replays (see
+            docs/decisions/0039-step-time-model.md).
 
     Example (``TF_CPU_ALLOCATOR_USE_BFC=true`` set before TensorFlow is imported):
         >>> import keras, tensorflow as tf
@@ -256,15 +262,21 @@ class ModelPlan(Plan):
     call_kinds: tuple[str, ...] = dataclasses.field(default=(), repr=False)
     blocks: tuple[tuple[int, int], ...] = ()
     block_names: tuple[str, ...] = ()
+    plain_step_seconds: Optional[float] = None
+    predicted_step_seconds: Optional[float] = None
 
     def __str__(self) -> str:
         text = super().__str__()
-        if not self.blocks:
-            return text
         head, _, rest = text.partition("\n")
-        shown = list(self.block_names[:3]) + (["..."] if len(self.block_names) > 3 else [])
-        head += (f"; {_count_of(len(self.blocks), 'block')} inside layer calls checkpointed "
-                 f"one by one ({', '.join(shown)})")
+        if self.blocks:
+            shown = list(self.block_names[:3]) + (["..."] if len(self.block_names) > 3 else [])
+            head += (f"; {_count_of(len(self.blocks), 'block')} inside layer calls "
+                     f"checkpointed one by one ({', '.join(shown)})")
+        if self.predicted_step_seconds is not None:
+            head += f"; predicted step {_seconds(self.predicted_step_seconds)}"
+            if self.plain_step_seconds:
+                head += (f", {self.predicted_step_seconds / self.plain_step_seconds:.2f}x "
+                         f"the plain step's measured {_seconds(self.plain_step_seconds)}")
         return head + ("\n" + rest if rest else "")
 
     @property
@@ -376,6 +388,11 @@ def _depth(pieces: tuple[Segment, ...]) -> int:
 def _duration(seconds: float) -> str:
     """Seconds as ms, or as µs below a millisecond (a replay of small layers)."""
     return f"{seconds * 1e3:.1f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.0f} µs"
+
+
+def _seconds(seconds: float) -> str:
+    """A step's time: seconds with three decimals, or ms below a tenth of a second."""
+    return f"{seconds:.3f} s" if seconds >= 0.1 else f"{seconds * 1e3:.1f} ms"
 
 
 def _count_of(n: int, noun: str) -> str:

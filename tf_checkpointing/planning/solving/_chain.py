@@ -117,7 +117,8 @@ def _anchored(profile: ChainProfile, layers: list[Any], inputs: Any, runner: Pla
     # Variables, not weights: a Dropout's SeedGenerator state is only among the
     # former, and the measured step advanced it (another mask in every later step).
     state = [v for layer in layers for v in getattr(layer, "non_trainable_variables", ())]
-    least_bytes = measure_xla_step(runner(least), inputs, api, state, trainable=trainable)
+    least_bytes = measure_xla_step(runner(least), inputs, api, state,
+                                   trainable=trainable).peak_bytes
     model_least = least.predicted_peak_bytes or 0
     anchor = XlaAnchor(model_least=model_least, model_plain=profile.plain_peak_bytes,
                        least_bytes=least_bytes, plain_bytes=profile.plain_peak_bytes)

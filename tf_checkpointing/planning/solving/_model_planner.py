@@ -30,6 +30,7 @@ from tf_checkpointing.planning.layer_graph._graph_choices import policy_arrays
 from tf_checkpointing.planning.layer_graph._layer_graph import LayerGraph
 from tf_checkpointing.planning.measuring import _progress
 from tf_checkpointing.planning.measuring._leave_no_trace import nothing_left
+from tf_checkpointing.planning.measuring._step_profile import StepReading
 from tf_checkpointing.planning.plans._budget import LEAST, Budget
 from tf_checkpointing.planning.plans._modes import step_mode
 from tf_checkpointing.planning.plans._plan import ModelPlan, PlanRunner, pieces_of_spans
@@ -37,7 +38,7 @@ from tf_checkpointing.planning.solving._model_profile import (
     cached_choices,
     cached_profile,
     calibrated,
-    measured_peak,
+    measured_step,
     profile_key,
 )
 from tf_checkpointing.planning.solving._region_solver import (
@@ -45,6 +46,12 @@ from tf_checkpointing.planning.solving._region_solver import (
     Solution,
     nested_options,
     solve,
+)
+from tf_checkpointing.planning.solving._step_time import (
+    StepTime,
+    block_work,
+    replay_scale,
+    step_time,
 )
 from tf_checkpointing.planning.solving._xla import (
     XlaAnchor,
@@ -103,6 +110,10 @@ class _Planning:
     anchor: Optional[XlaAnchor]
     chunks: float
     inner: list[tuple[BlockRef, ...]]
+    plain_seconds: Optional[float] = None
+    time: Optional[StepTime] = None
+    # XLA: the least plan's measured step time and the forward seconds it replays
+    least_replay: tuple[Optional[float], float] = (None, 0.0)
 
     @classmethod
     def start(cls, graph: LayerGraph, inputs: Any, budget: Optional[int], *, mode: str,
@@ -133,9 +144,11 @@ class _Planning:
                        runner=runner, policies=policies, region_model=region_model,
                        nested=nested, least=least, key=profile_key(graph, inputs, measured),
                        anchor=None, chunks=_CHUNKS if mode == "graph" else 1.0, inner=inner,
-                       plain_peak=profile.plain_peak_bytes)
+                       plain_peak=profile.plain_peak_bytes,
+                       plain_seconds=profile.plain_step_seconds)
         if mode == "xla":
             planning.anchor_on_xla_steps()
+        planning.time = planning.step_time()
         return planning
 
     def anchor_on_xla_steps(self) -> None:
@@ -146,11 +159,26 @@ class _Planning:
                               model_least=least.value, model_plain=self.region_model.peak(()),
                               api=self.api, least_policies=self.policies_of(least.policies))
         self.anchor, self.plain_peak = anchor, anchor.plain_bytes
-        for option, peak in ((_Option(_PLAIN), anchor.plain_bytes),
-                             (_Option(least), anchor.least_bytes)):
-            measured_peak(self.key, (self.mode, _memo_key(option)), lambda peak=peak: peak)
+        self.plain_seconds = anchor.plain_seconds
+        self.least_replay = (anchor.least_seconds,
+                             self.region_model.extra_work(least.spans, least.policies))
+        for option, step in ((_Option(_PLAIN), StepReading(anchor.plain_bytes,
+                                                           anchor.plain_seconds)),
+                             (_Option(least), StepReading(anchor.least_bytes,
+                                                          anchor.least_seconds))):
+            measured_step(self.key, (self.mode, _memo_key(option)), lambda step=step: step)
         if not anchor.helps:
             self.least = Solution(least.value, (), ())
+
+    def step_time(self) -> Optional[StepTime]:
+        """The time model: the plain step measured, and per-call forward seconds
+        as they are (a ``tf.function`` step replays the same graph ops), or under
+        XLA scaled so that it predicts the least plan's measured step (XLA fuses
+        a replay otherwise than the per-call graphs run it; see
+        docs/decisions/0039-step-time-model.md)."""
+        least_seconds, least_replay = self.least_replay
+        return step_time(self.plain_seconds, replay_scale(
+            self.plain_seconds, least_seconds, least_replay))
 
     def predict(self, model_bytes: float, checkpointed: bool = True) -> float:
         """The step's peak for a plan the model predicts ``model_bytes`` for."""
@@ -167,10 +195,22 @@ class _Planning:
 
     def measure(self, option: _Option) -> int:
         """The peak of the step run by ``option``, measured (once per profile)."""
+        return self.measured(option).peak_bytes
+
+    def measured(self, option: _Option) -> StepReading:
+        """The step run by ``option``, measured (once per profile)."""
         blocks = {"blocks": option.blocks} if option.blocks else {}
-        return measured_peak(self.key, (self.mode, _memo_key(option)), lambda: measure_plan(
+        return measured_step(self.key, (self.mode, _memo_key(option)), lambda: measure_plan(
             self.graph, self.inputs, self.api, self.runner, option.solution.spans,
             self.policies_of(option.solution.policies), mode=self.mode, **blocks))
+
+    def replay_seconds(self, option: _Option) -> float:
+        """The forward seconds ``option`` replays, in the profile's per-call unit:
+        its regions' (under their policies), or the share of its blocks' calls
+        that the blocks hold (see _step_time.block_work)."""
+        if option.blocks:
+            return block_work(self.graph, self.region_model.costs.cost, option.blocks)
+        return self.region_model.extra_work(option.solution.spans, option.solution.policies)
 
     def selections(self) -> list[_Option]:
         """The plans a user could write, besides the planner's regions: the
@@ -202,6 +242,7 @@ class _Planning:
             predicted = self.predict(
                 self.region_model.peak(spans, policies=option.solution.policies), bool(spans))
         layers = block_layers(self.graph, option.blocks)
+        replay = self.replay_seconds(option)
         return ModelPlan(
             names=names, call_kinds=self.graph.kinds(),
             pieces=pieces_of_spans(0, len(names), spans,
@@ -209,8 +250,9 @@ class _Planning:
             mode=self.mode, budget_bytes=LEAST if self.budget is None else self.budget,
             predicted_peak_bytes=int(predicted), plain_peak_bytes=self.plain_peak,
             min_budget_bytes=self.min_budget(), policies=self.policies,
-            predicted_extra_seconds=None if option.blocks else self.region_model.extra_work(
-                spans, option.solution.policies),
+            predicted_extra_seconds=replay,
+            plain_step_seconds=None if self.time is None else self.time.plain_seconds,
+            predicted_step_seconds=None if self.time is None else self.time.predict(replay),
             blocks=option.blocks,
             block_names=tuple(f"{self.graph.calls[i].name}/{layer.name}"
                               for (i, _), layer in zip(option.blocks, layers)))
@@ -318,9 +360,7 @@ def _regions_within(planning: _Planning, usable: float) -> tuple[Optional[Soluti
     # Chosen on the measured curve, and measured (see _xla.plan_within).
     found, measured, planning.anchor = plan_within(
         planning.key, planning.anchor, usable, solve_for,
-        lambda spans, chosen: measure_plan(planning.graph, planning.inputs, planning.api,
-                                           planning.runner, spans,
-                                           planning.policies_of(chosen)))
+        lambda spans, chosen: planning.measure(_Option(Solution(0.0, spans, chosen))))
     return found, measured
 
 

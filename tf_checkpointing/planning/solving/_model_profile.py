@@ -35,6 +35,7 @@ from tf_checkpointing.planning.measuring._allocator import in_fresh_thread
 from tf_checkpointing.planning.measuring._choices import PolicyChoices
 from tf_checkpointing.planning.measuring._layer_profile import ChainProfile
 from tf_checkpointing.planning.measuring._profile import profile_chain
+from tf_checkpointing.planning.measuring._step_profile import StepReading
 from tf_checkpointing.planning.solving._regions import GraphCosts, RegionModel
 from tf_checkpointing.planning.solving._xla import fit_sources, forget_model_anchor
 
@@ -44,12 +45,13 @@ _profiles: dict[Any, tuple[Any, ChainProfile, GraphCosts]] = registered({})
 _choices: dict[Any, tuple[Any, PolicyChoices]] = registered({})
 # Measured steps of plans of a profiled model, per (profile key, plan): another budget
 # of the same model measures a plan once.
-_plan_peaks: dict[tuple[Any, Any], int] = registered({})
+_plan_peaks: dict[tuple[Any, Any], StepReading] = registered({})
 
 
-def measured_peak(key: Any, plan: Any, measure: Callable[[], int]) -> int:
-    """The peak of ``plan``'s step on the model of profile ``key``: ``measure()``
-    the first time, then what it gave (until the profile is made again)."""
+def measured_step(key: Any, plan: Any, measure: Callable[[], StepReading]) -> StepReading:
+    """The peak and time of ``plan``'s step on the model of profile ``key``:
+    ``measure()`` the first time, then what it gave (until the profile is made
+    again)."""
     if (key, plan) not in _plan_peaks:
         _plan_peaks[(key, plan)] = measure()
     return _plan_peaks[(key, plan)]

@@ -32,7 +32,7 @@ not the curve's, which is raised to keep it monotone.
 Each XLA step is measured by the bytes it requests (:mod:`..measuring._requested`),
 not by the allocator's chunks, which depend on the free chunks the profile
 left in the pool; and as a training step (a loss's gradient, an SGD update:
-``measuring._step_profile.graph_plain_peak``), which XLA schedules otherwise than a
+``measuring._step_profile.graph_plain_step``), which XLA schedules otherwise than a
 backward with a constant output gradient and gradients only summed.
 
 The measurements behind all of this: docs/decisions/0023-xla-plans.md.
@@ -56,7 +56,11 @@ from tf_checkpointing.planning.measuring._allocator import (
     in_fresh_thread,
     memory_device,
 )
-from tf_checkpointing.planning.measuring._step_profile import eager_plain_peak, graph_plain_peak
+from tf_checkpointing.planning.measuring._step_profile import (
+    StepReading,
+    eager_plain_peak,
+    graph_plain_step,
+)
 from tf_checkpointing.planning.plans._plan import ModelPlan, PlanRunner, pieces_of_spans
 from tf_checkpointing.planning.solving._region_solver import Solution
 
@@ -93,6 +97,8 @@ class XlaAnchor:
     least_bytes: int
     plain_bytes: int
     points: tuple[tuple[float, float], ...] = ()
+    plain_seconds: Optional[float] = None
+    least_seconds: Optional[float] = None
 
     @property
     def helps(self) -> bool:
@@ -157,14 +163,15 @@ class XlaAnchor:
 def measure_xla_step(run: Callable[[Any], Any], inputs: Any, api: str,
                      variables: Sequence[Any] = (),
                      trainable: Optional[Sequence[Any]] = None,
-                     jit: Optional[bool] = True) -> int:
-    """Peak of ``run``'s forward and backward as one ``tf.function`` compiled
+                     jit: Optional[bool] = True) -> StepReading:
+    """Peak and time of ``run``'s forward and backward as one ``tf.function`` compiled
     with ``jit_compile=jit`` (each gradient consumed at once, as an optimizer in
     the step does), or run eagerly (``jit=None``: the gradients held until an
     optimizer would apply them), on ``inputs`` in a thread of its own; the state
-    it writes (BatchNorm statistics, seeds) and ``variables`` are put back."""
+    it writes (BatchNorm statistics, seeds) and ``variables`` are put back. An
+    eager step is not timed."""
 
-    def measure() -> int:
+    def measure() -> StepReading:
         x = concrete_inputs(inputs, api)
         device = memory_device(x, api)
         saved = [v.numpy() for v in variables]
@@ -172,15 +179,16 @@ def measure_xla_step(run: Callable[[Any], Any], inputs: Any, api: str,
         with recorder:
             try:
                 if jit is None:
-                    return eager_plain_peak([run], x, device, trainable)
-                return graph_plain_peak([run], x, device, jit, applied=True,
+                    return StepReading(eager_plain_peak([run], x, device, trainable))
+                return graph_plain_step([run], x, device, jit, applied=True,
                                         trainable=trainable)
             finally:
                 recorder.restore_before()
                 for v, value in zip(variables, saved):
                     v.assign(value)
 
-    return int(in_fresh_thread(measure))
+    reading = in_fresh_thread(measure)
+    return StepReading(int(reading.peak_bytes), reading.seconds)
 
 
 def model_anchor(key: Any, graph: Any, inputs: Any, least_spans: tuple, runner: PlanRunner, *,
@@ -190,11 +198,14 @@ def model_anchor(key: Any, graph: Any, inputs: Any, least_spans: tuple, runner: 
     least plan (``least_spans``, its regions under ``least_policies``) compiled
     and measured, once per profile ``key``."""
     if key not in _model_anchors:
-        plain_bytes = measure_plan(graph, inputs, api, runner, ())
-        least_bytes = measure_plan(graph, inputs, api, runner, least_spans,
-                                   least_policies) if least_spans else plain_bytes
+        plain = measure_plan(graph, inputs, api, runner, ())
+        least = measure_plan(graph, inputs, api, runner, least_spans,
+                             least_policies) if least_spans else plain
         _model_anchors[key] = XlaAnchor(model_least=model_least, model_plain=model_plain,
-                                        least_bytes=least_bytes, plain_bytes=plain_bytes)
+                                        least_bytes=least.peak_bytes,
+                                        plain_bytes=plain.peak_bytes,
+                                        plain_seconds=plain.seconds,
+                                        least_seconds=least.seconds)
         while len(_model_anchors) > _CACHE_SIZE:
             _model_anchors.pop(next(iter(_model_anchors)))
     return _model_anchors[key]
@@ -202,8 +213,8 @@ def model_anchor(key: Any, graph: Any, inputs: Any, least_spans: tuple, runner: 
 
 def measure_plan(graph: LayerGraph, inputs: Any, api: str, runner: PlanRunner, spans: tuple,
                  region_policies: tuple = (), mode: str = "xla",
-                 blocks: tuple = ()) -> int:
-    """The peak of the step (``mode``: ``"eager"``, ``"graph"`` or ``"xla"``) of
+                 blocks: tuple = ()) -> StepReading:
+    """The peak and time of the step (``mode``: ``"eager"``, ``"graph"`` or ``"xla"``) of
     ``graph``'s model run (by ``runner``) by the plan of ``spans`` and of the
     ``blocks`` inside its calls (see ``ModelPlan.blocks``)."""
     names = tuple(call.name for call in graph.calls)
