@@ -27,6 +27,7 @@ import tensorflow as tf
 
 from tf_checkpointing import policies as save_policies
 from tf_checkpointing.core._recompute import checkpointed_call, frozen_weights, needs_checkpoint
+from tf_checkpointing.planning._errors import worded
 from tf_checkpointing.planning.layer_graph._calling import (
     layer_names,
     route_keywords,
@@ -207,7 +208,8 @@ def plan_sequential(layers: Any, inputs: Any, *, budget: Union[float, str],
     layers = validate_layers(layers, api)
     checked = expect_budget(budget, api)
     candidates = expect_policies(policies, api)
-    mode = expect_mode(mode, api)
+    with worded(api):
+        mode = expect_mode(mode)
     routed = route_keywords(layers, kwargs, api)
     return cached_plan(layers, inputs, checked, kwargs, routed, api=api,
                        runner=chain_runner(layers, kwargs, routed), mode=mode,

@@ -23,9 +23,11 @@ import keras
 import tensorflow as tf
 
 from tf_checkpointing._block_switch import switches_installed
-from tf_checkpointing._graph_runner import install, model_runner
+from tf_checkpointing._graph_runner import model_runner
+from tf_checkpointing._plan_maker import install
 from tf_checkpointing.core._internals import keras_numpy_ops
 from tf_checkpointing.planning._constants import COSTLY_SELECTION_RATIO
+from tf_checkpointing.planning._errors import worded
 from tf_checkpointing.planning.layer_graph._blocks import candidate_layers
 from tf_checkpointing.planning.layer_graph._layer_graph import functional_of, read_graph
 from tf_checkpointing.planning.measuring._allocator import expect_statistics
@@ -127,7 +129,8 @@ def plan_model(model: Any, inputs: Any, *, budget: Union[int, float, str], mode:
         True
     """
     api = "plan_model"
-    mode = expect_mode(mode, api)
+    with worded(api):
+        mode = expect_mode(mode)
     checked = expect_budget(budget, api)
     candidates = expect_policies(policies, api)
     graph = read_graph(model, api)

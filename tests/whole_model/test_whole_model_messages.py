@@ -87,6 +87,23 @@ def test_a_budget_runs_the_plan_made_ahead_for_it_where_the_batch_is_unknown():
     assert other.call.plan is not ahead and other.call.plan.budget_bytes == "min"
 
 
+def test_clear_caches_forgets_the_plans_made_ahead():
+    """Plans plan_model made ahead are planning state like the profiles: one
+    clear_caches() empties them, so a test (or a user) starts from nothing."""
+    from tf_checkpointing.planning import clear_caches
+    from tf_checkpointing.planning.plans._reuse import made_ahead
+
+    x, _ = _data()
+    model = _mlp()
+    ahead = tc.plan_model(model, x[:4], budget="min", mode="graph")
+    assert [plan for _, _, plan in made_ahead(model, "min", ())] == [ahead]
+    clear_caches()
+    assert made_ahead(model, "min", ()) == []
+    tc.apply_checkpointing(model, budget="min")
+    model.call.maker.plans.adopt(made_ahead(model, "min", ()))
+    assert model.call.maker.plans.plans("graph") == []
+
+
 def test_plan_model_on_a_symbolic_input_says_pass_a_concrete_batch():
     with pytest.raises(ValueError, match=r"plan_model: .*full input shape.*Fix: pass a "
                                          r"concrete batch") as caught:

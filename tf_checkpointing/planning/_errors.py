@@ -1,0 +1,70 @@
+"""The errors planning raises, worded without the public function's name.
+
+Planning is reached from several public functions (``apply_checkpointing``,
+``plan_model``, ``CheckpointedSequential``, ...), and an error should name the
+one the user called. Rather than threading that name through every planning
+signature, planning raises a :class:`PlanningError` whose message starts with
+what is wrong (``argument `budget` ...``), and the API layer that the user
+called adds its name in front (:func:`worded`), keeping the type, the
+attributes and the rest of the message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Optional
+
+__all__ = ["BudgetTooLow", "PlanningError", "PlanningTypeError", "PlanningValueError",
+           "worded"]
+
+
+class PlanningError(Exception):
+    """An error of planning, worded by the API layer (see :func:`worded`)."""
+
+
+class PlanningValueError(PlanningError, ValueError):
+    """A value planning cannot use (a budget, a mode, a model's graph)."""
+
+
+class PlanningTypeError(PlanningError, TypeError):
+    """An argument of a type planning cannot use."""
+
+
+class BudgetTooLow(PlanningValueError):
+    """The budget is below the least memory any plan needs.
+
+    Attributes:
+        budget: the budget asked for, in bytes (None for ``"min"``: the least
+            plan found keeps no less than plain).
+        least: the least any plan is predicted to need, in bytes.
+    """
+
+    def __init__(self, message: str, *, budget: Optional[int] = None,
+                 least: Optional[int] = None) -> None:
+        super().__init__(message)
+        self.budget, self.least = budget, least
+
+
+@contextlib.contextmanager
+def worded(api: str) -> Iterator[None]:
+    """Inside, a :class:`PlanningError` not yet worded gets ``api`` in front of
+    its message (the same exception, re-raised).
+
+    Example:
+        >>> from tf_checkpointing.planning._errors import PlanningValueError, worded
+        >>> try:
+        ...     with worded("plan_model"):
+        ...         raise PlanningValueError("argument `budget` must be ...")
+        ... except ValueError as error:
+        ...     print(error)
+        plan_model: argument `budget` must be ...
+    """
+    try:
+        yield
+    except PlanningError as error:
+        if not getattr(error, "worded", False):
+            message = f"{api}: {error.args[0]}" if error.args else api
+            error.args = (message, *error.args[1:])
+            error.worded = True  # type: ignore[attr-defined]  # an outer API keeps it
+        raise
