@@ -57,7 +57,7 @@ from tf_checkpointing.planning.layer_graph._layer_graph import (
     run_call,
 )
 from tf_checkpointing.planning.measuring._allocator import in_xla_context
-from tf_checkpointing.planning.plans._modes import Mode, step_mode
+from tf_checkpointing.planning.measuring._modes import Mode, step_mode
 from tf_checkpointing.planning.plans._plan import ModelPlan, PlanRunner, Segment
 
 __all__: list[str] = []

@@ -42,8 +42,8 @@ from tf_checkpointing.planning._errors import worded
 from tf_checkpointing.planning.layer_graph._blocks import sublayers
 from tf_checkpointing.planning.layer_graph._frozen import backprop_calls
 from tf_checkpointing.planning.layer_graph._layer_graph import LayerGraph, read_graph
+from tf_checkpointing.planning.measuring._modes import Mode
 from tf_checkpointing.planning.plans._budget import Budget
-from tf_checkpointing.planning.plans._modes import Mode
 from tf_checkpointing.planning.plans._plan import ModelPlan
 from tf_checkpointing.planning.plans._plan_files import (
     device_of_step,

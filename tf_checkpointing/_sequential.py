@@ -35,8 +35,8 @@ from tf_checkpointing.planning.layer_graph._calling import (
 )
 from tf_checkpointing.planning.layer_graph._frozen import tape_reaches
 from tf_checkpointing.planning.measuring._choices import expect_policies
+from tf_checkpointing.planning.measuring._modes import expect_mode
 from tf_checkpointing.planning.plans._budget import expect_budget
-from tf_checkpointing.planning.plans._modes import expect_mode
 from tf_checkpointing.planning.plans._plan import PlanRunner, Segment, SequentialPlan, even_plan
 from tf_checkpointing.planning.solving._chain import cached_plan
 

@@ -29,8 +29,8 @@ from tf_checkpointing.planning.layer_graph._calling import (
     validate_layers,
 )
 from tf_checkpointing.planning.layer_graph._frozen import frozen_prefix, tape_reaches
+from tf_checkpointing.planning.measuring._modes import step_mode
 from tf_checkpointing.planning.plans._budget import Budget, expect_budget
-from tf_checkpointing.planning.plans._modes import step_mode
 from tf_checkpointing.planning.plans._plan import SequentialPlan, even_plan
 from tf_checkpointing.planning.plans._reuse import PlansByShape
 from tf_checkpointing.planning.solving._chain import cached_plan

@@ -32,8 +32,8 @@ from tf_checkpointing.planning.layer_graph._blocks import candidate_layers
 from tf_checkpointing.planning.layer_graph._layer_graph import functional_of, read_graph
 from tf_checkpointing.planning.measuring._allocator import expect_statistics
 from tf_checkpointing.planning.measuring._choices import expect_policies
+from tf_checkpointing.planning.measuring._modes import expect_mode
 from tf_checkpointing.planning.plans._budget import expect_budget
-from tf_checkpointing.planning.plans._modes import expect_mode
 from tf_checkpointing.planning.plans._plan import ModelPlan
 from tf_checkpointing.planning.plans._plan_files import expect_folder
 from tf_checkpointing.planning.plans._reuse import remember

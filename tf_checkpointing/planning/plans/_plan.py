@@ -32,7 +32,7 @@ from tf_checkpointing.planning._errors import worded
 from tf_checkpointing.planning.layer_graph._layer_graph import read_graph
 from tf_checkpointing.planning.layer_graph._regions_by_name import spans_by_name
 from tf_checkpointing.planning.measuring._layer_profile import ChainProfile
-from tf_checkpointing.planning.plans._modes import expect_mode
+from tf_checkpointing.planning.measuring._modes import expect_mode
 
 __all__ = ["ModelPlan", "Plan", "PlanRunner", "Segment", "SequentialPlan", "even_plan",
            "pieces_of_spans", "policy_name"]

@@ -30,8 +30,8 @@ from tf_checkpointing.planning.layer_graph._graph_choices import policy_arrays
 from tf_checkpointing.planning.layer_graph._layer_graph import LayerGraph
 from tf_checkpointing.planning.measuring import _progress
 from tf_checkpointing.planning.measuring._leave_no_trace import nothing_left
+from tf_checkpointing.planning.measuring._modes import step_mode
 from tf_checkpointing.planning.plans._budget import LEAST, Budget
-from tf_checkpointing.planning.plans._modes import step_mode
 from tf_checkpointing.planning.plans._plan import ModelPlan, PlanRunner, pieces_of_spans
 from tf_checkpointing.planning.solving._model_profile import (
     cached_choices,

@@ -34,6 +34,7 @@ from tf_checkpointing.planning.layer_graph._saved_tensors import keys_read, save
 from tf_checkpointing.planning.measuring._allocator import in_fresh_thread
 from tf_checkpointing.planning.measuring._choices import PolicyChoices
 from tf_checkpointing.planning.measuring._layer_profile import ChainProfile
+from tf_checkpointing.planning.measuring._modes import Mode
 from tf_checkpointing.planning.measuring._profile import profile_chain
 from tf_checkpointing.planning.solving._regions import GraphCosts, RegionModel
 from tf_checkpointing.planning.solving._xla import fit_sources, forget_model_anchor
@@ -94,7 +95,7 @@ def cached_choices(graph: LayerGraph, inputs: Any, mode: str, api: str,
     key = (*profile_key(graph, inputs, mode), policies)
     if key not in _choices:
         _choices[key] = (graph.model, graph_choices(
-            graph, inputs, policies, repeated_calls(graph), xla=mode == "xla", api=api))
+            graph, inputs, policies, repeated_calls(graph), mode=Mode(mode), api=api))
         while len(_choices) > _CACHE_SIZE:
             _choices.pop(next(iter(_choices)))
     return _choices[key][1]
@@ -143,8 +144,7 @@ def _profile_states(graph: LayerGraph, inputs: Any, alive: list, sizes: dict, *,
     saved = in_fresh_thread(lambda: [v.numpy() for v in state])
     try:
         profile = profile_chain(calls, start, names=[c.name for c in graph.calls], api=api,
-                                compiled=mode != "eager", same_as=same,
-                                xla=mode == "xla", applied=mode != "eager",
+                                mode=Mode(mode), same_as=same, applied=mode != "eager",
                                 # A model whose every call backprop reaches is measured
                                 # as it was validated (the input's gradient made too),
                                 # but for XLA as fit's step is (see _xla.fit_sources).

@@ -29,7 +29,7 @@ class Mode(str, enum.Enum):
     compiled by XLA.
 
     Example:
-        >>> from tf_checkpointing.planning.plans._modes import Mode
+        >>> from tf_checkpointing.planning.measuring._modes import Mode
         >>> Mode("graph") is Mode.GRAPH, Mode.XLA == "xla", Mode.XLA.compiled
         (True, True, True)
         >>> f"{Mode.EAGER}", repr(Mode.GRAPH)
