@@ -121,9 +121,10 @@ def checkpoint_sequential(
     if budget is None:
         plan = even_plan(layer_names(layers), count)
     else:
-        plan = cached_plan(layers, inputs, budget, kwargs, routed, api=_API,
-                           runner=chain_runner(layers, kwargs, routed), policies=candidates,
-                           input_grad=tape_reaches(inputs))
+        with worded(_API):
+            plan = cached_plan(layers, inputs, budget, kwargs, routed, api=_API,
+                               runner=chain_runner(layers, kwargs, routed),
+                               policies=candidates, input_grad=tape_reaches(inputs))
     return run_plan(layers, plan, inputs, kwargs, routed, policy=policy)
 
 
@@ -211,9 +212,10 @@ def plan_sequential(layers: Any, inputs: Any, *, budget: Union[float, str],
     with worded(api):
         mode = expect_mode(mode)
     routed = route_keywords(layers, kwargs, api)
-    return cached_plan(layers, inputs, checked, kwargs, routed, api=api,
-                       runner=chain_runner(layers, kwargs, routed), mode=mode,
-                       policies=candidates)
+    with worded(api):
+        return cached_plan(layers, inputs, checked, kwargs, routed, api=api,
+                           runner=chain_runner(layers, kwargs, routed), mode=mode,
+                           policies=candidates)
 
 
 def chain_runner(layers: Sequence[Any], kwargs: dict[str, Any],

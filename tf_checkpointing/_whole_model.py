@@ -136,7 +136,7 @@ def plan_model(model: Any, inputs: Any, *, budget: Union[int, float, str], mode:
     graph = read_graph(model, api)
     _expect_inputs(model, graph, inputs, api)
     # Planning may run blocks inside calls checkpointed: switches for as long as it does.
-    with switches_installed(candidate_layers(graph)):
+    with switches_installed(candidate_layers(graph)), worded(api):
         plan = plan_graph(graph, inputs, checked, mode=mode, api=api,
                           runner=model_runner(graph), policies=candidates)
     # apply_checkpointing(model, budget=...) runs it where it would plan the same

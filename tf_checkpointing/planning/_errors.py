@@ -13,14 +13,24 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Optional
+from typing import Callable, Optional
 
-__all__ = ["BudgetTooLow", "PlanningError", "PlanningTypeError", "PlanningValueError",
-           "worded"]
+__all__ = ["BudgetTooLow", "PlanningError", "PlanningRuntimeError", "PlanningTypeError",
+           "PlanningValueError", "worded"]
 
 
 class PlanningError(Exception):
-    """An error of planning, worded by the API layer (see :func:`worded`)."""
+    """An error of planning, worded by the API layer (see :func:`worded`).
+
+    Args:
+        message: what is wrong, and the fix, without the public function's name.
+        fix: where the fix depends on the function called (an argument only
+            some take), what to add to the message for it: ``fix(api)``.
+    """
+
+    def __init__(self, message: str, *, fix: Optional[Callable[[str], str]] = None) -> None:
+        super().__init__(message)
+        self.fix = fix
 
 
 class PlanningValueError(PlanningError, ValueError):
@@ -29,6 +39,10 @@ class PlanningValueError(PlanningError, ValueError):
 
 class PlanningTypeError(PlanningError, TypeError):
     """An argument of a type planning cannot use."""
+
+
+class PlanningRuntimeError(PlanningError, RuntimeError):
+    """Planning cannot measure here (the allocator's statistics are off)."""
 
 
 class BudgetTooLow(PlanningValueError):
@@ -64,7 +78,8 @@ def worded(api: str) -> Iterator[None]:
         yield
     except PlanningError as error:
         if not getattr(error, "worded", False):
-            message = f"{api}: {error.args[0]}" if error.args else api
+            fix = getattr(error, "fix", None)
+            message = f"{api}: {error.args[0] if error.args else ''}{fix(api) if fix else ''}"
             error.args = (message, *error.args[1:])
             error.worded = True  # type: ignore[attr-defined]  # an outer API keeps it
         raise

@@ -35,7 +35,7 @@ __all__: list[str] = []
 
 
 def profile_chain(calls: Sequence[Callable[[Any], Any]], inputs: Any, *,
-                  names: Sequence[str], api: str, mode: Mode = Mode.EAGER,
+                  names: Sequence[str], mode: Mode = Mode.EAGER,
                   same_as: Optional[Sequence[int]] = None, applied: bool = False,
                   layer_keys: Optional[Sequence[Any]] = None,
                   trainable: Optional[Sequence[Any]] = None) -> ChainProfile:
@@ -68,7 +68,7 @@ def profile_chain(calls: Sequence[Callable[[Any], Any]], inputs: Any, *,
     ``Model.fit`` does (a graph then keeps nothing for a frozen backbone's
     calls); each call's own readings are taken with its inputs watched either way.
     """
-    return in_fresh_thread(_profile, calls, inputs, names, api, Mode(mode), same_as,
+    return in_fresh_thread(_profile, calls, inputs, names, Mode(mode), same_as,
                            applied, layer_keys, trainable)
 
 
@@ -106,10 +106,10 @@ def layer_key(layer: Any, keywords: Any = None) -> Any:
     return type(layer), described, weights
 
 
-def _profile(calls, inputs, names, api, mode: Mode, same_as=None,
+def _profile(calls, inputs, names, mode: Mode, same_as=None,
              applied=False, layer_keys=None, trainable=None) -> ChainProfile:
-    x = concrete_inputs(inputs, api)
-    device = memory_device(x, api)
+    x = concrete_inputs(inputs)
+    device = memory_device(x)
     recorder = StateRecorder()
     with recorder:  # records, eagerly, the state the layers write, to put it back
         try:
@@ -123,7 +123,7 @@ def _profile(calls, inputs, names, api, mode: Mode, same_as=None,
             if layer_keys is not None and same_as is None:
                 first: dict[Any, int] = {}
                 same_as = [first.setdefault(key, i) for i, key in enumerate(keys)]
-            x = concrete_inputs(inputs, api)
+            x = concrete_inputs(inputs)
             if mode.compiled:
                 return graph_profile(calls, x, device, names,
                                      same_as or list(range(len(calls))), mode, applied,

@@ -84,7 +84,7 @@ def cached_plan(layers: list[Any], inputs: Any, budget: Budget, kwargs: dict[str
         # profile, which cuts planning time (see
         # docs/decisions/0012-identical-layers-share-a-profile.md).
         with nothing_left(), _progress.planning(api, f"a chain of {len(layers)} layers"):
-            profile = profile_chain(calls, inputs, names=names, api=api, mode=mode,
+            profile = profile_chain(calls, inputs, names=names, mode=mode,
                                     layer_keys=[layer_key(layer, kw) for layer, kw
                                                          in zip(layers, routed)],
                                     trainable=trainable)
@@ -102,7 +102,7 @@ def cached_plan(layers: list[Any], inputs: Any, budget: Budget, kwargs: dict[str
     if policies and policies not in choices:
         with nothing_left():
             choices[policies] = in_fresh_thread(lambda: measure_choices(
-                layers, routed, concrete_inputs(inputs, api), policies, mode=mode))
+                layers, routed, concrete_inputs(inputs), policies, mode=mode))
     plans: dict[tuple, SequentialPlan] = entry[3]
     if (budget, policies) not in plans:
         plans[budget, policies] = solve(entry[1], budget, api=api,
@@ -117,7 +117,7 @@ def _anchored(profile: ChainProfile, layers: list[Any], inputs: Any, runner: Pla
     # Variables, not weights: a Dropout's SeedGenerator state is only among the
     # former, and the measured step advanced it (another mask in every later step).
     state = [v for layer in layers for v in getattr(layer, "non_trainable_variables", ())]
-    least_bytes = measure_xla_step(runner(least), inputs, api, state, trainable=trainable)
+    least_bytes = measure_xla_step(runner(least), inputs, state, trainable=trainable)
     model_least = least.predicted_peak_bytes or 0
     anchor = XlaAnchor(model_least=model_least, model_plain=profile.plain_peak_bytes,
                        least_bytes=least_bytes, plain_bytes=profile.plain_peak_bytes)

@@ -120,9 +120,9 @@ class _Planning:
         # and least plans compiled and measured (see
         # docs/decisions/0024-least-plans-under-xla.md): one profile for every budget.
         measured = "graph" if mode == "xla" else mode
-        profile, costs = cached_profile(graph, inputs, measured, api)
+        profile, costs = cached_profile(graph, inputs, measured)
         if policies:
-            choices = cached_choices(graph, inputs, measured, api, policies)
+            choices = cached_choices(graph, inputs, measured, policies)
             kept, cost = policy_arrays(choices, costs.kept, costs.cost)
             costs = dataclasses.replace(costs, policy_kept=kept, policy_cost=cost)
         region_model = calibrated(costs, profile.plain_peak_bytes)
@@ -144,7 +144,7 @@ class _Planning:
         least = self.least
         anchor = model_anchor(self.key, self.graph, self.inputs, least.spans, self.runner,
                               model_least=least.value, model_plain=self.region_model.peak(()),
-                              api=self.api, least_policies=self.policies_of(least.policies))
+                              least_policies=self.policies_of(least.policies))
         self.anchor, self.plain_peak = anchor, anchor.plain_bytes
         for option, peak in ((_Option(_PLAIN), anchor.plain_bytes),
                              (_Option(least), anchor.least_bytes)):
@@ -169,7 +169,7 @@ class _Planning:
         """The peak of the step run by ``option``, measured (once per profile)."""
         blocks = {"blocks": option.blocks} if option.blocks else {}
         return measured_peak(self.key, (self.mode, _memo_key(option)), lambda: measure_plan(
-            self.graph, self.inputs, self.api, self.runner, option.solution.spans,
+            self.graph, self.inputs, self.runner, option.solution.spans,
             self.policies_of(option.solution.policies), mode=self.mode, **blocks))
 
     def selections(self) -> list[_Option]:
@@ -318,7 +318,7 @@ def _regions_within(planning: _Planning, usable: float) -> tuple[Optional[Soluti
     # Chosen on the measured curve, and measured (see _xla.plan_within).
     found, measured, planning.anchor = plan_within(
         planning.key, planning.anchor, usable, solve_for,
-        lambda spans, chosen: measure_plan(planning.graph, planning.inputs, planning.api,
+        lambda spans, chosen: measure_plan(planning.graph, planning.inputs,
                                            planning.runner, spans,
                                            planning.policies_of(chosen)))
     return found, measured
