@@ -17,6 +17,7 @@ from typing import Any, NamedTuple, Optional
 
 from tf_checkpointing.planning._constants import CHUNKS as _CHUNKS
 from tf_checkpointing.planning._constants import HEADROOM as _HEADROOM
+from tf_checkpointing.planning._errors import BudgetTooLow
 from tf_checkpointing.planning.layer_graph._blocks import (
     BlockRef,
     block_layers,
@@ -279,14 +280,13 @@ def _budget_plan(planning: _Planning, budget: int) -> ModelPlan:
         return planning.plan(_Option(_PLAIN))
     min_budget = planning.min_budget()
     if budget < min_budget:
-        raise ValueError(
-            f"{planning.api}: argument `budget` is below the least memory any plan of "
+        raise BudgetTooLow(  # the API the user called names itself (see planning._errors)
+            "argument `budget` is below the least memory any plan of "
             f"`{planning.graph.model.name}` needs (its least predicted peak, plus "
             f"{_HEADROOM:.0%} for the allocator): expected at least {min_budget} bytes "
             f"({min_budget / 2**20:.2f} MiB), received budget={budget} "
             f"({budget / 2**20:.2f} MiB). Raise the budget, pass budget='min', or use a "
-            "smaller batch."
-        )
+            "smaller batch.", budget=budget, least=min_budget)
     usable = budget * (1 - _HEADROOM)
     if planning.predict(planning.least.value) <= usable:
         found, measured = _regions_within(planning, usable)
