@@ -15,6 +15,8 @@ import contextlib
 from collections.abc import Iterator
 from typing import Callable, Optional
 
+import tensorflow as tf
+
 __all__ = ["BudgetTooLow", "PlanningError", "PlanningRuntimeError", "PlanningTypeError",
            "PlanningValueError", "worded"]
 
@@ -46,7 +48,9 @@ class PlanningRuntimeError(PlanningError, RuntimeError):
 
 
 class BudgetTooLow(PlanningValueError):
-    """The budget is below the least memory any plan needs.
+    """The budget is below the least memory any plan needs (a ``ValueError``;
+    while a ``tf.function`` is traced the API raises it as a plain one, see
+    :func:`worded`).
 
     Attributes:
         budget: the budget asked for, in bytes (None for ``"min"``: the least
@@ -65,6 +69,11 @@ def worded(api: str) -> Iterator[None]:
     """Inside, a :class:`PlanningError` not yet worded gets ``api`` in front of
     its message (the same exception, re-raised).
 
+    While a ``tf.function`` is traced, it raises the builtin kind instead
+    (``ValueError``, ``TypeError``, ``RuntimeError``) from the planning error:
+    AutoGraph rebuilds only the builtin kinds (adding where in the user's code),
+    and would turn a subclass into a ``StagingError``.
+
     Example:
         >>> from tf_checkpointing.planning._errors import PlanningValueError, worded
         >>> try:
@@ -82,4 +91,8 @@ def worded(api: str) -> Iterator[None]:
             message = f"{api}: {error.args[0] if error.args else ''}{fix(api) if fix else ''}"
             error.args = (message, *error.args[1:])
             error.worded = True  # type: ignore[attr-defined]  # an outer API keeps it
+        if tf.inside_function():
+            builtin = next(kind for kind in type(error).__mro__
+                           if kind in (ValueError, TypeError, RuntimeError))
+            raise builtin(*error.args) from error
         raise
