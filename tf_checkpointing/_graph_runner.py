@@ -23,28 +23,25 @@ again for another mode or a larger batch (see
 :mod:`tf_checkpointing.planning.plans._reuse`). The layers are profiled in training
 mode, so a ``training=False`` step under a tape (a frozen backbone being
 fine-tuned) gets a plan that predicts at least what it keeps.
+
+The runner only runs: which plan a call runs (given, made, reused, read from a
+plan file) is its plan source's answer, a
+:class:`~tf_checkpointing._plan_maker.PlanMaker` for ``apply_checkpointing``, a
+:class:`OnePlan` where the planner runs a plan to measure it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import warnings
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import keras
 import tensorflow as tf
 
 from tf_checkpointing import policies
-from tf_checkpointing._block_switch import install_switches, remove_switches, set_switches
-from tf_checkpointing._fit_batches import tell_the_batch_on_fit
+from tf_checkpointing._block_switch import set_switches
 from tf_checkpointing.core._flags import checkpoint_scopes_entered
-from tf_checkpointing.core._internals import (
-    KerasTensor,
-    get_keras_mask,
-    set_keras_mask,
-    unpack_singleton,
-)
-from tf_checkpointing.core._losses import AddedLosses
+from tf_checkpointing.core._internals import get_keras_mask, set_keras_mask, unpack_singleton
 from tf_checkpointing.core._recompute import (
     checkpointed_call,
     frozen_weights,
@@ -52,58 +49,48 @@ from tf_checkpointing.core._recompute import (
     needs_checkpoint,
 )
 from tf_checkpointing.core._state import WritesKeptOut
-from tf_checkpointing.planning.layer_graph._blocks import (
-    block_layers,
-    inner_block_choices,
-    sublayers,
-)
-from tf_checkpointing.planning.layer_graph._frozen import backprop_calls
+from tf_checkpointing.planning.layer_graph._blocks import block_layers, inner_block_choices
 from tf_checkpointing.planning.layer_graph._layer_graph import (
     Key,
     LayerGraph,
     functional_of,
-    read_graph,
     run_call,
 )
 from tf_checkpointing.planning.measuring._allocator import in_xla_context
-from tf_checkpointing.planning.plans._budget import Budget
-from tf_checkpointing.planning.plans._modes import step_mode
+from tf_checkpointing.planning.measuring._modes import Mode, step_mode
 from tf_checkpointing.planning.plans._plan import ModelPlan, PlanRunner, Segment
-from tf_checkpointing.planning.plans._plan_files import (
-    device_of_step,
-    plan_key,
-    read_plan,
-    write_plan,
-)
-from tf_checkpointing.planning.plans._reuse import PlansByShape, made_ahead
-from tf_checkpointing.planning.solving._model_planner import plan_graph
 
 __all__: list[str] = []
 
-_API = "apply_checkpointing"
+
+class PlanSource(Protocol):
+    """What a :class:`GraphRunner` asks for the plan of each call."""
+
+    given: Optional[ModelPlan]  # the one plan, where one was given (its blocks switch)
+
+    def plan_for(self, inputs: Any, mode: Mode, *,
+                 training: Any) -> Optional[ModelPlan]: ...  # pragma: no cover
+
+
+class OnePlan:
+    """A plan source that answers ``plan`` for every call."""
+
+    def __init__(self, plan: ModelPlan) -> None:
+        self.given = plan
+
+    def plan_for(self, inputs: Any, mode: Mode, *, training: Any) -> ModelPlan:
+        return self.given
 
 
 class GraphRunner:
-    """The ``call`` of a model that runs its graph by a :class:`ModelPlan`."""
+    """The ``call`` of a model that runs its graph by the plans ``maker`` gives."""
 
-    def __init__(self, graph: LayerGraph, *, plan: Optional[ModelPlan] = None,
-                 budget: Optional[Budget] = None, mode: str = "auto",
-                 original_call: Any = None, force_seed: bool = False,
-                 check: Any = False, policies: tuple[Any, ...] = (),
-                 plan_cache: Any = None) -> None:
+    def __init__(self, graph: LayerGraph, maker: PlanSource, *, original_call: Any = None,
+                 force_seed: bool = False, check: Any = False) -> None:
         self.graph = graph
-        self.plan_cache = plan_cache  # a folder of plan files (see planning.plans._plan_files)
-        self.policies = policies  # the candidates for the plan made for `budget`
+        self.maker = maker
         self.force_seed, self.check = force_seed, check
-        self.plan = plan  # the plan of the last call (given: the only one)
-        self.fixed = plan is not None
-        self._warned: set[str] = set()  # modes told that the given plan is another's
-        self._plans: dict[tuple, PlansByShape[ModelPlan]] = {}  # made for `budget`
-        self.budget = budget
-        self.mode = mode
-        # The largest batch Model.fit feeds, told by its wrapper (see _fit_batches):
-        # a step traced with an unknown batch size is planned for it.
-        self.batch_hint: Optional[int] = None
+        self.plan: Optional[ModelPlan] = maker.given  # the plan of the last call
         self.original_call = original_call
         readers = graph.consumers()
         outputs = set(graph.output_keys)
@@ -112,20 +99,10 @@ class GraphRunner:
         self._last = {k: n if k in outputs else max(r) for k, r in readers.items()}
         for key in outputs:
             self._last[key] = n
-        # Every layer whose losses the profile could add (nested models' too).
-        self._layers = list(graph.model._flatten_layers(include_self=True,  # noqa: SLF001
-                                                         recursive=True))
         # The blocks inside calls a plan may checkpoint (see _block_switch).
         refs = {ref for choice in inner_block_choices(graph) for ref in choice}
-        refs.update(plan.blocks if plan is not None else ())
+        refs.update(maker.given.blocks if maker.given is not None else ())
         self.blocks = dict(zip(sorted(refs), block_layers(graph, tuple(sorted(refs)))))
-
-    @property
-    def plans(self) -> PlansByShape[ModelPlan]:
-        """The plans made for ``budget`` while the same layers are frozen as now:
-        unfreezing a backbone (fine-tuning's second phase) changes what a
-        compiled step keeps, so the next training call is planned anew."""
-        return self._plans.setdefault(backprop_calls(self.graph), PlansByShape())
 
     def __call__(self, inputs: Any, training: Any = None, mask: Any = None,
                  **kwargs: Any) -> Any:
@@ -138,7 +115,8 @@ class GraphRunner:
         env = dict(zip(self.graph.input_keys, flat))
         context = dict(kwargs, training=training)
         n = len(self.graph.calls)
-        plan = self._plan_for(inputs, training) if needs_checkpoint() else None
+        plan = (self.maker.plan_for(inputs, step_mode(), training=training)
+                if needs_checkpoint() else None)
         set_switches(self.blocks, plan.blocks if plan is not None else ())
         if plan is None:  # nothing can take a gradient, or inference with no plan
             self._run(env, 0, n, context)
@@ -148,59 +126,6 @@ class GraphRunner:
         outputs = [env[k] for k in self.graph.output_keys]
         return unpack_singleton(keras.tree.pack_sequence_as(
             functional._outputs_struct, outputs))  # noqa: SLF001
-
-    def _plan_for(self, inputs: Any, training: Any) -> Optional[ModelPlan]:
-        """The given plan, or one made for a budget for this mode and batch (see
-        ``PlansByShape``); None for an inference call before any plan."""
-        mode = step_mode(self.mode)
-        if self.fixed:
-            self._expect_plan_mode(mode)
-            return self.plan
-        self.plans.adopt(made_ahead(self.graph.model, self.budget, self.policies))
-        if self.batch_hint is not None:  # fit said how large its batches are
-            inputs = with_batch(inputs, self.batch_hint)
-        plan, plan_anew = self.plans.find(mode, inputs, training=training)
-        if not plan_anew:
-            return plan
-        key = None
-        if self.plan_cache is not None:
-            key = plan_key(self.graph, inputs, mode=mode, budget=self.budget,
-                           policies=self.policies, frozen=backprop_calls(self.graph),
-                           device=device_of_step())
-            plan = read_plan(self.plan_cache, key, self.graph, _API)
-            if plan is not None:
-                self.plans.add(mode, inputs, plan)
-                return plan
-        profiled = AddedLosses(self._layers)
-        try:
-            assert self.budget is not None  # no plan given: a budget was
-            plan = plan_graph(self.graph, inputs, self.budget, mode=mode, api=_API,
-                              runner=model_runner(self.graph), policies=self.policies)
-        finally:  # the profile's layer calls add losses of their own
-            profiled.take()
-        if key is not None:
-            write_plan(self.plan_cache, key, plan, _API)
-        self.plans.add(mode, inputs, plan)
-        return plan
-
-    def _expect_plan_mode(self, mode: str) -> None:
-        """Warns (once per mode) when the given plan was made for another kind of
-        step: its regions run exactly, but what it was predicted to keep holds
-        for the kind it was made for (a graph frees what an eager step keeps,
-        XLA assigns buffers its own way)."""
-        plan = self.plan
-        if plan is None or not any(plan.checkpointed) or plan.mode == mode or (
-                mode in self._warned) or plan.predicted_peak_bytes is None:
-            return
-        self._warned.add(mode)
-        warnings.warn(
-            f"{_API}: argument `plan` was made for {plan.mode} steps (mode={plan.mode!r}) "
-            f"and runs in {_A_STEP[mode]} step: gradients are exact, "
-            f"but its predicted peak ({plan.predicted_peak_bytes / 2**20:.1f} MiB) holds for "
-            f"{plan.mode} steps. Fix: make it with plan_model(model, x, budget=..., "
-            f"mode={mode!r}) (Model.fit and tf.function: 'graph'; jit_compile=True: "
-            "'xla'), or pass budget=... to plan on the first training step.",
-            UserWarning, stacklevel=4)
 
     def _run_pieces(self, env: dict[Key, Any], pieces: tuple[Segment, ...],
                     context: dict) -> None:
@@ -274,9 +199,6 @@ class GraphRunner:
         self._forget(env, entering, stop - 1)
 
 
-_A_STEP = {"eager": "an eager", "graph": "a graph", "xla": "an XLA"}
-
-
 def _filters_wait_under_xla(pieces: tuple[Segment, ...],
                             graph: LayerGraph) -> tuple[Segment, ...]:
     """Under XLA, a checkpointed plan's plain pieces that hold a filter (a
@@ -324,94 +246,7 @@ def model_runner(graph: LayerGraph) -> PlanRunner:
     """What the planner runs a plan of ``graph`` with (see ``planning.plans._plan``):
     a training call of the model by that plan."""
     def runner(plan: ModelPlan) -> Any:
-        run = GraphRunner(graph, plan=plan)
+        run = GraphRunner(graph, OnePlan(plan))
         return lambda x: run(x, training=True)
 
     return runner
-
-
-def install(model: Any, *, plan: Optional[ModelPlan] = None, budget: Optional[Budget] = None,
-            mode: str = "auto", force_seed: bool = False, check: Any = False,
-            policies: tuple[Any, ...] = (), plan_cache: Any = None) -> GraphRunner:
-    """Makes ``model`` run its graph by ``plan`` (or by the plan for ``budget``
-    made on its first training call): replaces the instance's ``call``."""
-    graph = read_graph(model, _API)
-    if plan is not None:
-        names = tuple(call.name for call in graph.calls)
-        # Another instance of the same architecture (its layers numbered on by
-        # Keras) runs the plan too: regions are positions in the same graph. The
-        # same names are not enough where the plan knows what each call computes
-        # (a Conv2D "stem" of other width, a slice h[:, :1] for h[:, :64]).
-        fits = (plan.call_kinds == graph.kinds() if plan.call_kinds
-                else names == plan.names)
-        if not fits:
-            same = names == plan.names
-            named = ("" if len(names) != len(plan.names)
-                     else " with the same names" if same else " with other names")
-            computed = ("" if not plan.call_kinds else
-                        f" {'but' if same else 'and'} other layers, arguments or connections")
-            raise ValueError(
-                f"{_API}: argument `plan` was made for another model: it has "
-                f"{len(plan.names)} layer calls, `{model.name}` has {len(names)}{named}"
-                f"{computed}; {_first_difference(plan, graph)}. "
-                "Make the plan with plan_model(model, inputs, budget=...) on this model."
-            )
-        if not all(i < len(graph.calls) and k < len(sublayers(graph.calls[i].layer))
-                   for i, k in plan.blocks):
-            raise ValueError(
-                f"{_API}: argument `plan` checkpoints blocks inside calls that `{model.name}` "
-                f"does not have ({', '.join(plan.block_names[:3])}...). Make the plan with "
-                "plan_model(model, inputs, budget=...) on this model.")
-    current = vars(model).get("call")
-    original = current.original_call if isinstance(current, GraphRunner) else None
-    if isinstance(current, GraphRunner):  # replaced: its blocks' switches go with it
-        remove_switches(current.blocks.values())
-    runner = GraphRunner(graph, plan=plan, budget=budget, mode=mode,
-                         original_call=original or type(model).call,
-                         force_seed=force_seed, check=check, policies=policies,
-                         plan_cache=plan_cache)
-    install_switches(runner.blocks.values(), force_seed=force_seed, check=check)
-    # Plain object.__setattr__: nothing for Keras or TensorFlow to track.
-    object.__setattr__(model, "call", runner)
-    if plan is None and isinstance(model, keras.Model):
-        tell_the_batch_on_fit(model, _tell_runner)
-    return runner
-
-
-def _first_difference(plan: ModelPlan, graph: LayerGraph) -> str:
-    """The first layer call where ``plan`` and ``graph`` differ, in words: its
-    name, or what the plan says it computes against what the model's does."""
-    names = [call.name for call in graph.calls]
-    kinds = graph.kinds() if plan.call_kinds else ()
-    for i in range(min(len(names), len(plan.names))):
-        if plan.names[i] != names[i] and not plan.call_kinds:
-            return (f"the first that differs is call {i}: `{plan.names[i]}` in the plan, "
-                    f"`{names[i]}` here")
-        if plan.call_kinds and plan.call_kinds[i] != kinds[i]:
-            ours, theirs = plan.call_kinds[i], kinds[i]
-            at = next(k for k, (a, b) in enumerate(zip(ours, theirs)) if a != b) \
-                if ours[:len(theirs)] != theirs[:len(ours)] else min(len(ours), len(theirs))
-            start = max(0, at - 30)
-            return (f"the first that differs is call {i}, `{names[i]}` here (`{plan.names[i]}` "
-                    f"in the plan): the plan's reads ...{ours[start:at + 30]}... where this "
-                    f"model's reads ...{theirs[start:at + 30]}...")
-    return f"the first {min(len(names), len(plan.names))} calls are alike, then one has more"
-
-
-def _tell_runner(model: Any, batch: Optional[int]) -> None:
-    """What ``model.fit`` tells before it trains (see ``_fit_batches``)."""
-    runner = vars(model).get("call")
-    if isinstance(runner, GraphRunner):
-        runner.batch_hint = batch
-
-
-def with_batch(inputs: Any, batch: int) -> Any:
-    """``inputs`` with each unknown first dimension ``batch``: symbolic stand-ins
-    (KerasTensors) of the shapes to plan for; known shapes stay as they are."""
-    def fill(leaf: Any) -> Any:
-        shape = getattr(leaf, "shape", None)
-        if shape is None or not len(shape) or shape[0] is not None:
-            return leaf
-        return KerasTensor((batch, *tuple(shape)[1:]), dtype=leaf.dtype)
-
-    return tf.nest.map_structure(fill, inputs)

@@ -27,6 +27,7 @@ import tensorflow as tf
 
 from tf_checkpointing import policies as save_policies
 from tf_checkpointing.core._recompute import checkpointed_call, frozen_weights, needs_checkpoint
+from tf_checkpointing.planning._errors import worded
 from tf_checkpointing.planning.layer_graph._calling import (
     layer_names,
     route_keywords,
@@ -34,8 +35,8 @@ from tf_checkpointing.planning.layer_graph._calling import (
 )
 from tf_checkpointing.planning.layer_graph._frozen import tape_reaches
 from tf_checkpointing.planning.measuring._choices import expect_policies
+from tf_checkpointing.planning.measuring._modes import expect_mode
 from tf_checkpointing.planning.plans._budget import expect_budget
-from tf_checkpointing.planning.plans._modes import expect_mode
 from tf_checkpointing.planning.plans._plan import PlanRunner, Segment, SequentialPlan, even_plan
 from tf_checkpointing.planning.solving._chain import cached_plan
 
@@ -120,9 +121,10 @@ def checkpoint_sequential(
     if budget is None:
         plan = even_plan(layer_names(layers), count)
     else:
-        plan = cached_plan(layers, inputs, budget, kwargs, routed, api=_API,
-                           runner=chain_runner(layers, kwargs, routed), policies=candidates,
-                           input_grad=tape_reaches(inputs))
+        with worded(_API):
+            plan = cached_plan(layers, inputs, budget, kwargs, routed, api=_API,
+                               runner=chain_runner(layers, kwargs, routed),
+                               policies=candidates, input_grad=tape_reaches(inputs))
     return run_plan(layers, plan, inputs, kwargs, routed, policy=policy)
 
 
@@ -207,11 +209,13 @@ def plan_sequential(layers: Any, inputs: Any, *, budget: Union[float, str],
     layers = validate_layers(layers, api)
     checked = expect_budget(budget, api)
     candidates = expect_policies(policies, api)
-    mode = expect_mode(mode, api)
+    with worded(api):
+        mode = expect_mode(mode)
     routed = route_keywords(layers, kwargs, api)
-    return cached_plan(layers, inputs, checked, kwargs, routed, api=api,
-                       runner=chain_runner(layers, kwargs, routed), mode=mode,
-                       policies=candidates)
+    with worded(api):
+        return cached_plan(layers, inputs, checked, kwargs, routed, api=api,
+                           runner=chain_runner(layers, kwargs, routed), mode=mode,
+                           policies=candidates)
 
 
 def chain_runner(layers: Sequence[Any], kwargs: dict[str, Any],

@@ -23,14 +23,15 @@ from tf_checkpointing._sequential import (
     run_plan,
 )
 from tf_checkpointing.core._recompute import needs_checkpoint
+from tf_checkpointing.planning._errors import worded
 from tf_checkpointing.planning.layer_graph._calling import (
     layer_names,
     route_keywords,
     validate_layers,
 )
 from tf_checkpointing.planning.layer_graph._frozen import frozen_prefix, tape_reaches
+from tf_checkpointing.planning.measuring._modes import step_mode
 from tf_checkpointing.planning.plans._budget import Budget, expect_budget
-from tf_checkpointing.planning.plans._modes import step_mode
 from tf_checkpointing.planning.plans._plan import SequentialPlan, even_plan
 from tf_checkpointing.planning.plans._reuse import PlansByShape
 from tf_checkpointing.planning.solving._chain import cached_plan
@@ -178,10 +179,12 @@ class CheckpointedSequential(keras.layers.Layer):
                 PlansByShape(_LAYER_API))
             plan, plan_anew = plans.find(mode, inputs, training=training)
             if plan_anew:
-                plan = cached_plan(self.layers, inputs, cast(Budget, self.budget), kwargs,
-                                   routed, api=_LAYER_API,
-                                   runner=chain_runner(self.layers, kwargs, routed), mode=mode,
-                                   policies=self.policies, input_grad=input_grad)
+                with worded(_LAYER_API):
+                    plan = cached_plan(self.layers, inputs, cast(Budget, self.budget),
+                                       kwargs, routed, api=_LAYER_API,
+                                       runner=chain_runner(self.layers, kwargs, routed),
+                                       mode=mode, policies=self.policies,
+                                       input_grad=input_grad)
                 plans.add(mode, inputs, plan)
             if plan is None:  # inference (evaluate, predict) before any plan
                 return _run_layers(self.layers, routed, 0, len(self.layers), inputs)

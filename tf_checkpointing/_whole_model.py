@@ -23,15 +23,17 @@ import keras
 import tensorflow as tf
 
 from tf_checkpointing._block_switch import switches_installed
-from tf_checkpointing._graph_runner import install, model_runner
+from tf_checkpointing._graph_runner import model_runner
+from tf_checkpointing._plan_maker import install
 from tf_checkpointing.core._internals import keras_numpy_ops
 from tf_checkpointing.planning._constants import COSTLY_SELECTION_RATIO
+from tf_checkpointing.planning._errors import worded
 from tf_checkpointing.planning.layer_graph._blocks import candidate_layers
 from tf_checkpointing.planning.layer_graph._layer_graph import functional_of, read_graph
 from tf_checkpointing.planning.measuring._allocator import expect_statistics
 from tf_checkpointing.planning.measuring._choices import expect_policies
+from tf_checkpointing.planning.measuring._modes import expect_mode
 from tf_checkpointing.planning.plans._budget import expect_budget
-from tf_checkpointing.planning.plans._modes import expect_mode
 from tf_checkpointing.planning.plans._plan import ModelPlan
 from tf_checkpointing.planning.plans._plan_files import expect_folder
 from tf_checkpointing.planning.plans._reuse import remember
@@ -127,13 +129,14 @@ def plan_model(model: Any, inputs: Any, *, budget: Union[int, float, str], mode:
         True
     """
     api = "plan_model"
-    mode = expect_mode(mode, api)
+    with worded(api):
+        mode = expect_mode(mode)
     checked = expect_budget(budget, api)
     candidates = expect_policies(policies, api)
     graph = read_graph(model, api)
     _expect_inputs(model, graph, inputs, api)
     # Planning may run blocks inside calls checkpointed: switches for as long as it does.
-    with switches_installed(candidate_layers(graph)):
+    with switches_installed(candidate_layers(graph)), worded(api):
         plan = plan_graph(graph, inputs, checked, mode=mode, api=api,
                           runner=model_runner(graph), policies=candidates)
     # apply_checkpointing(model, budget=...) runs it where it would plan the same

@@ -36,8 +36,7 @@ def test_the_profiles_reads_equal_a_trace_of_each_calls_gradient(monkeypatch):
         return got[-1]
 
     monkeypatch.setattr(_model_profile, "saved_tensors", recorded)
-    _model_profile._profile(graph, tf.random.normal([4, 8, 8, 4]), mode="graph",
-                            api="test")
+    _model_profile._profile(graph, tf.random.normal([4, 8, 8, 4]), mode="graph")
     assert got == [traced]
     by_name = dict(zip([c.name for c in graph.calls], traced))
     assert by_name["relu"][1] and not by_name["relu"][0]  # its output, not its input

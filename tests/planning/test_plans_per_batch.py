@@ -17,20 +17,20 @@ import tensorflow as tf
 from helpers import assert_all_close, partly_frozen
 
 import tf_checkpointing as tc
-from tf_checkpointing import _graph_runner, _sequential_layer
+from tf_checkpointing import _plan_maker, _sequential_layer
 
 
 @pytest.fixture
 def plans_made(monkeypatch):
     """The (mode, input shapes) of each plan the runner makes."""
     made = []
-    original = _graph_runner.plan_graph
+    original = _plan_maker.plan_graph
 
     def counting(graph, inputs, budget, *, mode, **kwargs):
         made.append((mode, tuple(tuple(x.shape) for x in tf.nest.flatten(inputs))))
         return original(graph, inputs, budget, mode=mode, **kwargs)
 
-    monkeypatch.setattr(_graph_runner, "plan_graph", counting)
+    monkeypatch.setattr(_plan_maker, "plan_graph", counting)
     return made
 
 
@@ -67,7 +67,7 @@ def test_a_larger_batch_is_planned_anew_and_a_smaller_one_reuses_its_plan(plans_
         model, _batch(16), budget="min", mode="graph").regions
     step(_batch(8))  # a smaller batch keeps less: the batch-16 plan
     assert len(plans_made) == 2
-    assert model.call.plan is model.call.plans.plans("graph")[-1]
+    assert model.call.plan is model.call.maker.plans.plans("graph")[-1]
 
 
 def test_unfreezing_layers_plans_anew(plans_made):

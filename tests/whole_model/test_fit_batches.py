@@ -53,11 +53,11 @@ def test_fit_with_a_partial_last_batch_plans_for_the_full_batch_and_equals_plain
         ours = fit(model).history["loss"]
     np.testing.assert_allclose(ours, plain, rtol=1e-5)
     mode = "xla" if jit else "graph"
-    plans = model.call.plans.plans(mode)
+    plans = model.call.maker.plans.plans(mode)
     assert len(plans) == 1 and plans[0].regions, plans  # one plan, checkpointing regions
     # Planned for batches of 8 (no warning that the budget holds only for smaller ones).
     assert not [w for w in caught if "unknown batch size" in str(w.message)]
-    assert model.call.batch_hint == 8
+    assert model.call.maker.batch_hint == 8
 
 
 def test_the_largest_batch_is_read_from_the_data_without_consuming_it():

@@ -47,7 +47,7 @@ def test_the_least_plan_is_the_lower_measured_of_itself_and_the_blocks(monkeypat
     x = tf.random.stateless_normal([64, 8], [0, 1])
     measured = {}
 
-    def fake_measure(graph, inputs, api, runner, spans, region_policies=(), mode="xla"):
+    def fake_measure(graph, inputs, runner, spans, region_policies=(), mode="xla"):
         is_blocks = spans == _model_planner.block_spans(graph)
         measured[is_blocks] = spans
         return StepReading(100 if is_blocks == blocks_lower else 200, 0.01)

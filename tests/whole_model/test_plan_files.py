@@ -119,7 +119,7 @@ def test_plan_cache_reads_the_plan_of_an_earlier_run_instead_of_planning(tmp_pat
     files = list(tmp_path.glob("plan-*.json"))
     assert len(files) == 1 and first.call.plan.regions
     # The next run (a new model of the same architecture) plans nothing: it reads the file.
-    import tf_checkpointing._graph_runner as runner
+    import tf_checkpointing._plan_maker as runner
 
     def no_planning(*args, **kwargs):
         raise AssertionError("planned again although the plan was saved")
@@ -151,7 +151,7 @@ def test_plan_cache_keys_a_model_with_op_nodes(tmp_path, monkeypatch):
     keras.backend.clear_session()
     first = _cached_step(tmp_path, build=_op_net)
     assert len(list(tmp_path.glob("plan-*.json"))) == 1 and first.call.plan.regions
-    import tf_checkpointing._graph_runner as runner
+    import tf_checkpointing._plan_maker as runner
 
     def no_planning(*args, **kwargs):
         raise AssertionError("planned again although the plan was saved")

@@ -87,6 +87,49 @@ def test_a_budget_runs_the_plan_made_ahead_for_it_where_the_batch_is_unknown():
     assert other.call.plan is not ahead and other.call.plan.budget_bytes == "min"
 
 
+def test_clear_caches_forgets_the_plans_made_ahead():
+    """Plans plan_model made ahead are planning state like the profiles: one
+    clear_caches() empties them, so a test (or a user) starts from nothing."""
+    from tf_checkpointing.planning import clear_caches
+    from tf_checkpointing.planning.plans._reuse import made_ahead
+
+    x, _ = _data()
+    model = _mlp()
+    ahead = tc.plan_model(model, x[:4], budget="min", mode="graph")
+    assert [plan for _, _, plan in made_ahead(model, "min", ())] == [ahead]
+    clear_caches()
+    assert made_ahead(model, "min", ()) == []
+    tc.apply_checkpointing(model, budget="min")
+    model.call.maker.plans.adopt(made_ahead(model, "min", ()))
+    assert model.call.maker.plans.plans("graph") == []
+
+
+def test_a_budget_below_the_least_is_a_typed_error_worded_by_the_api_called():
+    """Planning raises BudgetTooLow with the numbers, without naming a public
+    function; plan_model and apply_checkpointing put their own name in front."""
+    from tf_checkpointing.planning._errors import BudgetTooLow
+
+    keras.utils.set_random_seed(0)
+    x = keras.Input((64,))
+    h = x
+    for _ in range(4):
+        h = keras.layers.Dense(256, activation="relu")(h)
+    model = keras.Model(x, keras.layers.Dense(1)(h))
+    batch = tf.random.normal([64, 64])
+    least = tc.plan_model(model, batch, budget="min", mode="eager").min_budget_bytes
+    with pytest.raises(BudgetTooLow, match=r"^plan_model: argument `budget` is below the "
+                                           rf"least memory.*expected at least {least} "
+                       ) as caught:
+        tc.plan_model(model, batch, budget=least - 1, mode="eager")
+    assert (caught.value.budget, caught.value.least) == (least - 1, least)
+    tc.apply_checkpointing(model, budget=least - 1)
+    # (Keras puts "Exception encountered when calling ..." before it, keeping the type.)
+    with pytest.raises(BudgetTooLow, match=r"apply_checkpointing: argument `budget` is "
+                                           r"below.*Raise the budget"):
+        with tf.GradientTape():
+            model(batch, training=True)
+
+
 def test_plan_model_on_a_symbolic_input_says_pass_a_concrete_batch():
     with pytest.raises(ValueError, match=r"plan_model: .*full input shape.*Fix: pass a "
                                          r"concrete batch") as caught:

@@ -252,7 +252,7 @@ def test_a_large_family_is_timed_at_samples_of_its_sizes(monkeypatch):
         monkeypatch.setattr(_graph_choices, "_FAMILY_SAMPLES", samples)
         timed_sizes.clear()
         got = _graph_choices.graph_choices(graph, x, (REDUCTIONS,), repeated_calls(graph),
-                                           xla=False, api="test")
+                                           mode="graph")
         return got, sorted(timed_sizes)
 
     every, all_timed = choices(0)

@@ -41,6 +41,7 @@ from tf_checkpointing.planning.layer_graph._layer_graph import (
 )
 from tf_checkpointing.planning.measuring._allocator import concrete_inputs, in_fresh_thread
 from tf_checkpointing.planning.measuring._choices import PolicyChoices, measure_calls
+from tf_checkpointing.planning.measuring._modes import Mode
 from tf_checkpointing.planning.measuring._profile import configuration
 
 __all__: list[str] = []
@@ -51,11 +52,13 @@ __all__: list[str] = []
 
 
 def graph_choices(graph: LayerGraph, inputs: Any, policies: tuple[Any, ...],
-                  same_as: list[int], *, xla: bool, api: str) -> PolicyChoices:
-    """Measures every distinct call of ``graph`` on ``inputs`` under each policy.
+                  same_as: list[int], *, mode: Mode) -> PolicyChoices:
+    """Measures every distinct call of ``graph`` on ``inputs`` under each policy,
+    as a ``mode`` step (graph or XLA).
     Runs in a thread of its own (no tape of the caller records it); the state the
     calls change (BatchNorm statistics, dropout seeds) is put back."""
-    return in_fresh_thread(_measure, graph, inputs, policies, same_as, xla, api)
+    return in_fresh_thread(_measure, graph, inputs, policies, same_as,
+                           Mode(mode) is Mode.XLA)
 
 
 def policy_arrays(choices: PolicyChoices, kept: np.ndarray,
@@ -75,11 +78,11 @@ def policy_arrays(choices: PolicyChoices, kept: np.ndarray,
 
 
 def _measure(graph: LayerGraph, inputs: Any, policies: tuple[Any, ...], same_as: list[int],
-             xla: bool, api: str) -> PolicyChoices:
+             xla: bool) -> PolicyChoices:
     state = list(graph.model.non_trainable_variables)
     saved = [v.numpy() for v in state]
     try:
-        flat = graph.model_inputs(concrete_inputs(inputs, api))
+        flat = graph.model_inputs(concrete_inputs(inputs))
         env = dict(zip(graph.input_keys, flat))
         last = dict(zip(tensor_keys(graph), last_uses(graph)))
         arguments: list[Any] = []

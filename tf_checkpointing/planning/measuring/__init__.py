@@ -10,5 +10,6 @@ one profile per layer of a chain (:mod:`._profile`: eager steps in
 (:mod:`._choices`) and how long each tensor of a measured graph lives
 (:mod:`._lifetimes`). Measuring leaves the process as it found it
 (:mod:`._leave_no_trace`) and says what it is doing when that takes a while
-(:mod:`._progress`). It imports no other room of planning.
+(:mod:`._progress`). The kinds of step measured, :class:`._modes.Mode`, are
+defined here, the lowest room that needs them. It imports no other room of planning.
 """

@@ -20,6 +20,7 @@ import tensorflow as tf
 
 from tf_checkpointing.core._internals import control_flow_util
 from tf_checkpointing.core._memory import grow_cpu_pool, statistics_status
+from tf_checkpointing.planning._errors import PlanningRuntimeError, PlanningValueError
 from tf_checkpointing.planning.measuring._leave_no_trace import planning_thread
 
 __all__: list[str] = []
@@ -80,7 +81,12 @@ def expect_statistics(api: str) -> None:
         f"train.py`){_without_measuring(api)}.")
 
 
-def memory_device(inputs: Any, api: str) -> str:
+def memory_device(inputs: Any) -> str:
+    """The device whose allocator a profile on ``inputs`` reads.
+
+    Raises:
+        PlanningRuntimeError: the CPU's memory statistics are off (the message
+            names the fix; the API layer its name, see ``planning._errors``)."""
     device = next((str(leaf.device) for leaf in tf.nest.flatten(inputs)
                    if isinstance(leaf, tf.Tensor) and leaf.device), "")
     if "GPU" in device.upper():
@@ -91,20 +97,24 @@ def memory_device(inputs: Any, api: str) -> str:
         name = "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
     if name.startswith("CPU") and os.environ.get(_BFC_ENV_VAR, "").lower() not in (
             "1", "true"):
-        raise RuntimeError(
-            f"{api}: planning for a memory budget measures each layer with the device "
+        raise PlanningRuntimeError(
+            "planning for a memory budget measures each layer with the device "
             f"allocator, but CPU memory statistics are off ({_BFC_ENV_VAR} is "
             f"{os.environ.get(_BFC_ENV_VAR)!r}). Fix: set {_BFC_ENV_VAR}=true before "
             "TensorFlow is imported (first lines of the script, or "
-            f"`{_BFC_ENV_VAR}=true python train.py`){_without_measuring(api)}."
-        )
+            f"`{_BFC_ENV_VAR}=true python train.py`)",
+            fix=lambda api: f"{_without_measuring(api)}.")
     grow_cpu_pool(name)  # readings of cut chunks, not whole regions (see _memory)
     return name
 
 
-def concrete_inputs(inputs: Any, api: str) -> Any:
+def concrete_inputs(inputs: Any) -> Any:
     """The inputs themselves when eager; synthetic ones of the same shapes when
-    they are symbolic (planning while a tf.function is traced)."""
+    they are symbolic (planning while a tf.function is traced).
+
+    Raises:
+        PlanningValueError: a symbolic input of unknown shape (the fixes depend
+            on the API called, which words the error)."""
 
     def make(leaf: Any) -> Any:
         symbolic = isinstance(leaf, keras.KerasTensor) or (
@@ -113,12 +123,11 @@ def concrete_inputs(inputs: Any, api: str) -> Any:
             return leaf
         shape = tf.TensorShape(leaf.shape)
         if not shape.is_fully_defined():
-            raise ValueError(
-                f"{api}: planning for a memory budget needs the full input shape, but "
+            raise PlanningValueError(
+                "planning for a memory budget needs the full input shape, but "
                 f"an input has shape {shape} (received a symbolic tensor, e.g. while "
                 "tf.function or Model.fit traces with an unknown batch size, as for a "
-                f"partial last batch). Fix: {_unknown_shape_fixes(api)}"
-            )
+                "partial last batch). Fix: ", fix=_unknown_shape_fixes)
         dtype = tf.as_dtype(leaf.dtype)
         if dtype.is_floating:
             return tf.cast(tf.random.stateless_normal(shape, seed=[0, 1]), dtype)

@@ -39,6 +39,7 @@ from tf_checkpointing.core._residuals import saved_residuals
 from tf_checkpointing.core._save_policies import forward_kept_bytes
 from tf_checkpointing.planning._constants import POLICY_SMALL_KEPT as _SMALL_KEPT
 from tf_checkpointing.planning.measuring._allocator import planning_function
+from tf_checkpointing.planning.measuring._modes import Mode
 from tf_checkpointing.planning.measuring._profile import layer_key
 from tf_checkpointing.planning.measuring._step_profile import variable_ids
 
@@ -116,10 +117,11 @@ class PolicyChoices:
 
 
 def measure_choices(layers: Sequence[Any], routed: Sequence[dict], inputs: Any,
-                    policies: tuple[Any, ...], *, xla: bool = False,
+                    policies: tuple[Any, ...], *, mode: Mode = Mode.GRAPH,
                     repeats: int = 7) -> PolicyChoices:
-    """Measures every layer (once per distinct layer) with every policy; the
-    state the layers change (dropout seeds, BatchNorm statistics) is put back."""
+    """Measures every layer (once per distinct layer) with every policy, each as
+    a ``mode`` step (graph or XLA); the state the layers change (dropout seeds,
+    BatchNorm statistics) is put back."""
     state = [v for layer in layers for v in getattr(layer, "variables", ())]
     before = [v.numpy() for v in state]
     try:
@@ -131,7 +133,8 @@ def measure_choices(layers: Sequence[Any], routed: Sequence[dict], inputs: Any,
         same_as = [first.setdefault(key, i) for i, key in enumerate(keys)]
         calls = [functools.partial(_call_layer, layer, kw) for layer, kw in zip(layers, routed)]
         variables = [list(getattr(layer, "trainable_variables", ())) for layer in layers]
-        return measure_calls(calls, xs, variables, same_as, policies, xla=xla, repeats=repeats)
+        return measure_calls(calls, xs, variables, same_as, policies, xla=mode is Mode.XLA,
+                             repeats=repeats)
     finally:
         for variable, value in zip(state, before):
             variable.assign(value)

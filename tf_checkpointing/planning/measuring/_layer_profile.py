@@ -25,6 +25,7 @@ from tf_checkpointing.core._structure import is_differentiable
 from tf_checkpointing.planning._constants import TIMED_RUNS as _TIMED_RUNS
 from tf_checkpointing.planning.measuring import _progress
 from tf_checkpointing.planning.measuring._allocator import Allocator, nbytes, sync
+from tf_checkpointing.planning.measuring._modes import Mode
 
 __all__: list[str] = []
 
@@ -75,9 +76,10 @@ class ChainProfile:
             the level before it (with ``compiled``: of the whole chain's forward
             and backward as one ``tf.function``).
         device: the device whose allocator was read.
-        compiled: measured for a training step that is a ``tf.function``: each
-            layer's forward and backward profiled as one graph.
-        xla: measured for a ``jit_compile=True`` step: ``plain_peak_bytes`` is
+        mode: the kind of step measured (a :class:`Mode`). Compiled
+            (``tf.function``, :attr:`compiled`): each layer's forward and
+            backward profiled as one graph. XLA (:attr:`xla`, ``jit_compile=True``):
+            ``plain_peak_bytes`` is
             the XLA-compiled plain step's (XLA assigns buffers its own way, its
             plain step peaking above the graph's, see docs/decisions/0023-xla-plans.md; the
             per-layer graphs, read with a ``py_function`` XLA cannot compile, are
@@ -97,11 +99,20 @@ class ChainProfile:
     boundary_grad_bytes: tuple[int, ...]
     plain_peak_bytes: int
     device: str
-    compiled: bool = False
-    xla: bool = False
+    mode: Mode = Mode.EAGER
     xla_anchor: Any = None
     frozen_prefix: int = 0
     plain_step_seconds: Optional[float] = None
+
+    @property
+    def compiled(self) -> bool:
+        """Measured for a ``tf.function`` step (with or without XLA)."""
+        return self.mode.compiled
+
+    @property
+    def xla(self) -> bool:
+        """Measured for a ``jit_compile=True`` step."""
+        return self.mode is Mode.XLA
 
 
 def taped(call: Callable[[Any], Any], x: Any,

@@ -28,15 +28,15 @@ from tf_checkpointing.planning.measuring._layer_profile import (
     taped_pass,
     untaped_pass,
 )
+from tf_checkpointing.planning.measuring._modes import Mode
 from tf_checkpointing.planning.measuring._step_profile import graph_profile
 
 __all__: list[str] = []
 
 
 def profile_chain(calls: Sequence[Callable[[Any], Any]], inputs: Any, *,
-                  names: Sequence[str], api: str, compiled: bool = False,
-                  same_as: Optional[Sequence[int]] = None, xla: bool = False,
-                  applied: bool = False,
+                  names: Sequence[str], mode: Mode = Mode.EAGER,
+                  same_as: Optional[Sequence[int]] = None, applied: bool = False,
                   layer_keys: Optional[Sequence[Any]] = None,
                   trainable: Optional[Sequence[Any]] = None) -> ChainProfile:
     """Runs the chain ``calls`` on ``inputs`` and measures each layer.
@@ -46,15 +46,16 @@ def profile_chain(calls: Sequence[Callable[[Any], Any]], inputs: Any, *,
     a ``tf.function`` is traced, it runs on synthetic inputs of the traced
     shapes (which must then be fully known).
 
-    With ``compiled``, the profile is of a training step that is a
-    ``tf.function``: each layer's forward and backward run as one graph, read
-    between the two (a graph keeps only the intermediates its backward reads,
-    and frees them as the backward goes), and ``plain_peak_bytes`` is the
-    whole chain's, measured as one graph (compiled by XLA, with ``xla``).
+    In a compiled ``mode`` (graph or XLA), the profile is of a training step
+    that is a ``tf.function``: each layer's forward and backward run as one
+    graph, read between the two (a graph keeps only the intermediates its
+    backward reads, and frees them as the backward goes), and
+    ``plain_peak_bytes`` is the whole chain's, measured as one graph (compiled
+    by XLA in ``Mode.XLA``).
     ``same_as[i] = j < i`` says call ``i`` is the same computation as call
     ``j`` (same layer configuration on the same shapes: a residual network
     repeats its blocks): its graph is not traced and measured again, it gets
-    ``j``'s readings. With ``applied``, the compiled
+    ``j``'s readings. With ``applied`` (a compiled mode), the
     plain step consumes each weight gradient as soon as it is made, as an
     optimizer inside the step does (``Model.fit``: the executor runs each
     variable's update when its gradient is ready, and frees the gradient), so
@@ -62,12 +63,12 @@ def profile_chain(calls: Sequence[Callable[[Any], Any]], inputs: Any, *,
     ``layer_keys`` (equal for layers of the same class, configuration and
     weight shapes, e.g. from :func:`layer_key`) make the calls whose keys and
     input shapes are equal share one reading: a transformer's identical blocks
-    are traced and measured once. Given ``trainable`` (with ``compiled``), the
+    are traced and measured once. Given ``trainable`` (a compiled mode), the
     plain step differentiates only those variables, not the inputs, as
     ``Model.fit`` does (a graph then keeps nothing for a frozen backbone's
     calls); each call's own readings are taken with its inputs watched either way.
     """
-    return in_fresh_thread(_profile, calls, inputs, names, api, compiled, same_as, xla,
+    return in_fresh_thread(_profile, calls, inputs, names, Mode(mode), same_as,
                            applied, layer_keys, trainable)
 
 
@@ -105,10 +106,10 @@ def layer_key(layer: Any, keywords: Any = None) -> Any:
     return type(layer), described, weights
 
 
-def _profile(calls, inputs, names, api, compiled, same_as=None, xla=False,
+def _profile(calls, inputs, names, mode: Mode, same_as=None,
              applied=False, layer_keys=None, trainable=None) -> ChainProfile:
-    x = concrete_inputs(inputs, api)
-    device = memory_device(x, api)
+    x = concrete_inputs(inputs)
+    device = memory_device(x)
     recorder = StateRecorder()
     with recorder:  # records, eagerly, the state the layers write, to put it back
         try:
@@ -122,11 +123,11 @@ def _profile(calls, inputs, names, api, compiled, same_as=None, xla=False,
             if layer_keys is not None and same_as is None:
                 first: dict[Any, int] = {}
                 same_as = [first.setdefault(key, i) for i, key in enumerate(keys)]
-            x = concrete_inputs(inputs, api)
-            if compiled:
+            x = concrete_inputs(inputs)
+            if mode.compiled:
                 return graph_profile(calls, x, device, names,
-                                     same_as or list(range(len(calls))), applied,
-                                     trainable, xla)
+                                     same_as or list(range(len(calls))), mode, applied,
+                                     trainable)
             untaped, seconds, sizes = untaped_pass(calls, x, device)
             return taped_pass(calls, x, device, names, untaped, seconds, sizes)
         finally:

@@ -39,6 +39,7 @@ from tf_checkpointing.planning.measuring._layer_profile import (
     taped,
     untaped_pass,
 )
+from tf_checkpointing.planning.measuring._modes import Mode
 from tf_checkpointing.planning.measuring._requested import requested_peak
 
 __all__ = ["StepReading", "variable_ids"]
@@ -55,10 +56,10 @@ class StepReading(NamedTuple):
 # _PLAIN_STEPS: plain steps measured (not under XLA, whose buffer is the same in each).
 
 
-def graph_profile(calls, x, device, names, same_as, applied=False,
-                  trainable=None, xla=False) -> ChainProfile:
-    """The profile of a ``tf.function`` training step, or with ``xla`` of one
-    compiled by XLA, whose plain step is then measured compiled (and the
+def graph_profile(calls, x, device, names, same_as, mode: Mode, applied=False,
+                  trainable=None) -> ChainProfile:
+    """The profile of a ``tf.function`` training step (``mode``: graph), or of
+    one compiled by XLA (``mode``: xla), whose plain step is then measured compiled (and the
     ``tf.function`` one, which no XLA plan reads, not at all; see
     :func:`profile_chain`)."""
     graphs = [planning_function(call) if same_as[i] == i else call
@@ -99,13 +100,13 @@ def graph_profile(calls, x, device, names, same_as, applied=False,
     # Last: its updates, and putting the weights back, change the pool the
     # per-call readings are taken in, which moved the readings after it from
     # run to run (see docs/decisions/0027-graph-profile-readings.md).
+    xla = mode is Mode.XLA
     _progress.stage("compiling and measuring the plain XLA step" if xla
                     else "measuring the plain step")
     plain = graph_plain_step(calls, inputs, device, xla, applied, trainable)
     return ChainProfile(layers=tuple(layers), boundary_bytes=tuple(sizes),
                         boundary_grad_bytes=tuple(grad_sizes), plain_peak_bytes=plain.peak_bytes,
-                        device=device, compiled=True, xla=xla,
-                        plain_step_seconds=plain.seconds)
+                        device=device, mode=mode, plain_step_seconds=plain.seconds)
 
 
 def _graph_layer(call, x, y, device, name) -> tuple[LayerProfile, int, int]:

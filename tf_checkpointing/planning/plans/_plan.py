@@ -28,10 +28,11 @@ from typing import Any, Callable, Optional, TypeVar, Union
 
 from tf_checkpointing import policies as save_policies
 from tf_checkpointing.planning._constants import HEADROOM
+from tf_checkpointing.planning._errors import worded
 from tf_checkpointing.planning.layer_graph._layer_graph import read_graph
 from tf_checkpointing.planning.layer_graph._regions_by_name import spans_by_name
 from tf_checkpointing.planning.measuring._layer_profile import ChainProfile
-from tf_checkpointing.planning.plans._modes import expect_mode
+from tf_checkpointing.planning.measuring._modes import expect_mode
 
 __all__ = ["ModelPlan", "Plan", "PlanRunner", "Segment", "SequentialPlan", "even_plan",
            "pieces_of_spans", "policy_name"]
@@ -321,8 +322,10 @@ class ModelPlan(Plan):
         graph = read_graph(model, _FROM_REGIONS)
         names = tuple(call.name for call in graph.calls)
         spans, chosen = spans_by_name(names, regions, policies, _FROM_REGIONS)
+        with worded(_FROM_REGIONS):
+            mode = expect_mode(mode)
         return cls(names=names, pieces=pieces_of_spans(0, len(names), spans, chosen),
-                   mode=expect_mode(mode, _FROM_REGIONS), call_kinds=graph.kinds())
+                   mode=mode, call_kinds=graph.kinds())
 
 
 def even_plan(names: Sequence[str], segments: int) -> SequentialPlan:

@@ -27,6 +27,7 @@ from typing import Any, Generic, Optional, TypeVar
 import tensorflow as tf
 
 from tf_checkpointing.core._internals import record
+from tf_checkpointing.planning._cache import registered
 from tf_checkpointing.planning.measuring._allocator import unknown_dimensions
 
 __all__: list[str] = []
@@ -34,8 +35,9 @@ __all__: list[str] = []
 Plan = TypeVar("Plan")
 
 
-# Plans plan_model made, per model: (budget, policies, mode, input specs, plan).
-_MADE_AHEAD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Plans plan_model made, per model: (budget, policies, mode, input specs, plan);
+# emptied with every planning cache by clear_caches().
+_MADE_AHEAD: weakref.WeakKeyDictionary = registered(weakref.WeakKeyDictionary())
 
 
 def remember(model: Any, inputs: Any, budget: Any, policies: tuple, plan: Any) -> None:

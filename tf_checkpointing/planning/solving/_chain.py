@@ -19,7 +19,7 @@ import collections
 import dataclasses
 import functools
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import tensorflow as tf
 
@@ -35,11 +35,11 @@ from tf_checkpointing.planning.measuring import _progress
 from tf_checkpointing.planning.measuring._allocator import (
     concrete_inputs,
     in_fresh_thread,
-    in_xla_context,
 )
 from tf_checkpointing.planning.measuring._choices import PolicyChoices, measure_choices
 from tf_checkpointing.planning.measuring._layer_profile import ChainProfile
 from tf_checkpointing.planning.measuring._leave_no_trace import nothing_left
+from tf_checkpointing.planning.measuring._modes import Mode, step_mode
 from tf_checkpointing.planning.measuring._profile import layer_key, profile_chain
 from tf_checkpointing.planning.plans._budget import Budget
 from tf_checkpointing.planning.plans._plan import PlanRunner, SequentialPlan
@@ -54,7 +54,8 @@ _profiles: collections.OrderedDict = registered(collections.OrderedDict())
 
 
 def cached_plan(layers: list[Any], inputs: Any, budget: Budget, kwargs: dict[str, Any],
-                routed: list[dict], *, api: str, runner: PlanRunner, mode: str = "auto",
+                routed: list[dict], *, api: str, runner: PlanRunner,
+                mode: Union[Mode, str] = "auto",
                 policies: tuple[Any, ...] = (), input_grad: bool = True) -> SequentialPlan:
     """The plan for ``budget``, profiling the chain only the first time it is
     seen with these input shapes, keywords and mode (the last 16 chains are
@@ -65,14 +66,13 @@ def cached_plan(layers: list[Any], inputs: Any, budget: Budget, kwargs: dict[str
     for its plan on every call. Unless ``input_grad`` (a tape differentiates
     ``inputs``), the leading layers without trainable weights are planned as a
     compiled step runs them: outside backprop (see :func:`frozen_prefix`)."""
-    compiled = mode in ("graph", "xla") or (mode == "auto" and tf.inside_function())
-    xla = mode == "xla" or (mode == "auto" and in_xla_context())
+    mode = step_mode(mode)
     signature = tuple((tuple(leaf.shape), leaf.dtype.name) if hasattr(leaf, "dtype")
                       else _hashable(leaf) for leaf in tf.nest.flatten(inputs))
     frozen = frozen_prefix(layers, input_grad=input_grad,
-                           mode="eager" if not compiled else "graph")
+                           mode="graph" if mode.compiled else "eager")
     key = (tuple(id(layer) for layer in layers), signature,
-           tuple(sorted((k, _hashable(v)) for k, v in kwargs.items())), compiled, xla, frozen)
+           tuple(sorted((k, _hashable(v)) for k, v in kwargs.items())), mode, frozen)
     entry = _profiles.get(key)
     if entry is None:
         calls = [functools.partial(_call, layer, kw) for layer, kw in zip(layers, routed)]
@@ -84,25 +84,25 @@ def cached_plan(layers: list[Any], inputs: Any, budget: Budget, kwargs: dict[str
         # profile, which cuts planning time (see
         # docs/decisions/0012-identical-layers-share-a-profile.md).
         with nothing_left(), _progress.planning(api, f"a chain of {len(layers)} layers"):
-            profile = profile_chain(calls, inputs, names=names, api=api, compiled=compiled,
-                                    xla=xla, layer_keys=[layer_key(layer, kw) for layer, kw
+            profile = profile_chain(calls, inputs, names=names, mode=mode,
+                                    layer_keys=[layer_key(layer, kw) for layer, kw
                                                          in zip(layers, routed)],
                                     trainable=trainable)
             profile = chain_without_backward(profile, frozen)
-            if xla:
+            if mode is Mode.XLA:
                 profile = _anchored(profile, layers, inputs, runner, api, trainable)
         # The layers are kept alive with the entry, so their ids stay theirs.
         entry = _profiles[key] = (list(layers), profile, {}, {})
         if len(_profiles) > _CACHE_SIZE:
             _profiles.popitem(last=False)
     _profiles.move_to_end(key)
-    if not compiled:  # eager: a policy keeps nothing, so it is no choice
+    if not mode.compiled:  # eager: a policy keeps nothing, so it is no choice
         policies = ()
     choices: dict[tuple, PolicyChoices] = entry[2]
     if policies and policies not in choices:
         with nothing_left():
             choices[policies] = in_fresh_thread(lambda: measure_choices(
-                layers, routed, concrete_inputs(inputs, api), policies, xla=xla))
+                layers, routed, concrete_inputs(inputs), policies, mode=mode))
     plans: dict[tuple, SequentialPlan] = entry[3]
     if (budget, policies) not in plans:
         plans[budget, policies] = solve(entry[1], budget, api=api,
@@ -117,7 +117,7 @@ def _anchored(profile: ChainProfile, layers: list[Any], inputs: Any, runner: Pla
     # Variables, not weights: a Dropout's SeedGenerator state is only among the
     # former, and the measured step advanced it (another mask in every later step).
     state = [v for layer in layers for v in getattr(layer, "non_trainable_variables", ())]
-    least_bytes = measure_xla_step(runner(least), inputs, api, state,
+    least_bytes = measure_xla_step(runner(least), inputs, state,
                                    trainable=trainable).peak_bytes
     model_least = least.predicted_peak_bytes or 0
     anchor = XlaAnchor(model_least=model_least, model_plain=profile.plain_peak_bytes,

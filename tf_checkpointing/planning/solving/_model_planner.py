@@ -17,6 +17,7 @@ from typing import Any, NamedTuple, Optional
 
 from tf_checkpointing.planning._constants import CHUNKS as _CHUNKS
 from tf_checkpointing.planning._constants import HEADROOM as _HEADROOM
+from tf_checkpointing.planning._errors import BudgetTooLow
 from tf_checkpointing.planning.layer_graph._blocks import (
     BlockRef,
     block_layers,
@@ -30,9 +31,9 @@ from tf_checkpointing.planning.layer_graph._graph_choices import policy_arrays
 from tf_checkpointing.planning.layer_graph._layer_graph import LayerGraph
 from tf_checkpointing.planning.measuring import _progress
 from tf_checkpointing.planning.measuring._leave_no_trace import nothing_left
+from tf_checkpointing.planning.measuring._modes import step_mode
 from tf_checkpointing.planning.measuring._step_profile import StepReading
 from tf_checkpointing.planning.plans._budget import LEAST, Budget
-from tf_checkpointing.planning.plans._modes import step_mode
 from tf_checkpointing.planning.plans._plan import ModelPlan, PlanRunner, pieces_of_spans
 from tf_checkpointing.planning.solving._model_profile import (
     cached_choices,
@@ -131,9 +132,9 @@ class _Planning:
         # and least plans compiled and measured (see
         # docs/decisions/0024-least-plans-under-xla.md): one profile for every budget.
         measured = "graph" if mode == "xla" else mode
-        profile, costs = cached_profile(graph, inputs, measured, api)
+        profile, costs = cached_profile(graph, inputs, measured)
         if policies:
-            choices = cached_choices(graph, inputs, measured, api, policies)
+            choices = cached_choices(graph, inputs, measured, policies)
             kept, cost = policy_arrays(choices, costs.kept, costs.cost)
             costs = dataclasses.replace(costs, policy_kept=kept, policy_cost=cost)
         region_model = calibrated(costs, profile.plain_peak_bytes)
@@ -157,7 +158,7 @@ class _Planning:
         least = self.least
         anchor = model_anchor(self.key, self.graph, self.inputs, least.spans, self.runner,
                               model_least=least.value, model_plain=self.region_model.peak(()),
-                              api=self.api, least_policies=self.policies_of(least.policies))
+                              least_policies=self.policies_of(least.policies))
         self.anchor, self.plain_peak = anchor, anchor.plain_bytes
         self.plain_seconds = anchor.plain_seconds
         self.least_replay = (anchor.least_seconds,
@@ -201,7 +202,7 @@ class _Planning:
         """The step run by ``option``, measured (once per profile)."""
         blocks = {"blocks": option.blocks} if option.blocks else {}
         return measured_step(self.key, (self.mode, _memo_key(option)), lambda: measure_plan(
-            self.graph, self.inputs, self.api, self.runner, option.solution.spans,
+            self.graph, self.inputs, self.runner, option.solution.spans,
             self.policies_of(option.solution.policies), mode=self.mode, **blocks))
 
     def replay_seconds(self, option: _Option) -> float:
@@ -321,14 +322,13 @@ def _budget_plan(planning: _Planning, budget: int) -> ModelPlan:
         return planning.plan(_Option(_PLAIN))
     min_budget = planning.min_budget()
     if budget < min_budget:
-        raise ValueError(
-            f"{planning.api}: argument `budget` is below the least memory any plan of "
+        raise BudgetTooLow(  # the API the user called names itself (see planning._errors)
+            "argument `budget` is below the least memory any plan of "
             f"`{planning.graph.model.name}` needs (its least predicted peak, plus "
             f"{_HEADROOM:.0%} for the allocator): expected at least {min_budget} bytes "
             f"({min_budget / 2**20:.2f} MiB), received budget={budget} "
             f"({budget / 2**20:.2f} MiB). Raise the budget, pass budget='min', or use a "
-            "smaller batch."
-        )
+            "smaller batch.", budget=budget, least=min_budget)
     usable = budget * (1 - _HEADROOM)
     if planning.predict(planning.least.value) <= usable:
         found, measured = _regions_within(planning, usable)

@@ -34,6 +34,7 @@ from tf_checkpointing.planning.layer_graph._saved_tensors import keys_read, save
 from tf_checkpointing.planning.measuring._allocator import in_fresh_thread
 from tf_checkpointing.planning.measuring._choices import PolicyChoices
 from tf_checkpointing.planning.measuring._layer_profile import ChainProfile
+from tf_checkpointing.planning.measuring._modes import Mode
 from tf_checkpointing.planning.measuring._profile import profile_chain
 from tf_checkpointing.planning.measuring._step_profile import StepReading
 from tf_checkpointing.planning.solving._regions import GraphCosts, RegionModel
@@ -74,13 +75,13 @@ def calibrated(costs: GraphCosts, plain_peak: int) -> RegionModel:
     return model
 
 
-def cached_profile(graph: LayerGraph, inputs: Any, mode: str,
-                    api: str) -> tuple[ChainProfile, GraphCosts]:
+def cached_profile(graph: LayerGraph, inputs: Any,
+                   mode: str) -> tuple[ChainProfile, GraphCosts]:
     """The profile, measured once per model, input shapes and mode (the last
     few are kept, with their models, so that their ids stay theirs)."""
     key = profile_key(graph, inputs, mode)
     if key not in _profiles:
-        _profiles[key] = (graph.model, *_profile(graph, inputs, mode=mode, api=api))
+        _profiles[key] = (graph.model, *_profile(graph, inputs, mode=mode))
         forget_model_anchor(key)  # a new profile (the id may be another model's now)
         for stale in [k for k in _plan_peaks if k[0] == key]:
             del _plan_peaks[stale]
@@ -89,14 +90,14 @@ def cached_profile(graph: LayerGraph, inputs: Any, mode: str,
     return _profiles[key][1], _profiles[key][2]
 
 
-def cached_choices(graph: LayerGraph, inputs: Any, mode: str, api: str,
-                    policies: tuple[Any, ...]) -> PolicyChoices:
+def cached_choices(graph: LayerGraph, inputs: Any, mode: str,
+                   policies: tuple[Any, ...]) -> PolicyChoices:
     """The policies measured on the graph, once per model, input shapes, mode and
     policies (as the profile)."""
     key = (*profile_key(graph, inputs, mode), policies)
     if key not in _choices:
         _choices[key] = (graph.model, graph_choices(
-            graph, inputs, policies, repeated_calls(graph), xla=mode == "xla", api=api))
+            graph, inputs, policies, repeated_calls(graph), mode=Mode(mode)))
         while len(_choices) > _CACHE_SIZE:
             _choices.pop(next(iter(_choices)))
     return _choices[key][1]
@@ -109,8 +110,8 @@ def profile_key(graph: LayerGraph, inputs: Any, mode: str) -> tuple:
     return (id(graph.model), len(graph.calls), shapes, mode, backprop_calls(graph))
 
 
-def _profile(graph: LayerGraph, inputs: Any, *, mode: str,
-             api: str) -> tuple[ChainProfile, GraphCosts]:
+def _profile(graph: LayerGraph, inputs: Any, *,
+             mode: str) -> tuple[ChainProfile, GraphCosts]:
     """Profiles the graph as a chain of live-tensor states."""
     keys = tensor_keys(graph)
     reached = backprop_calls(graph, mode)
@@ -119,15 +120,15 @@ def _profile(graph: LayerGraph, inputs: Any, *, mode: str,
     n = len(graph.calls)
     alive = [[k for k, end in zip(keys, last) if made[k] < i <= end] for i in range(n + 1)]
     sizes: dict[Any, tuple[int, bool]] = {}
-    profile, same = _profile_states(graph, inputs, alive, sizes, mode=mode, api=api)
+    profile, same = _profile_states(graph, inputs, alive, sizes, mode=mode)
     readers = graph.consumers()
     savers = _savers(graph, keys, alive, same, profile, readers)
     costs = _graph_costs(graph, profile, keys, last, sizes, readers, savers, mode)
     return profile, without_backward(costs, reached)
 
 
-def _profile_states(graph: LayerGraph, inputs: Any, alive: list, sizes: dict, *, mode: str,
-                    api: str) -> tuple[ChainProfile, list[int]]:
+def _profile_states(graph: LayerGraph, inputs: Any, alive: list, sizes: dict, *,
+                    mode: str) -> tuple[ChainProfile, list[int]]:
     """The chain profile of the graph's calls, each from the tensors ``alive``
     before it to those after it (``sizes`` filled in as they are made), and the
     graph's repeated calls."""
@@ -144,9 +145,8 @@ def _profile_states(graph: LayerGraph, inputs: Any, alive: list, sizes: dict, *,
     state = [v for v in graph.model.non_trainable_variables]
     saved = in_fresh_thread(lambda: [v.numpy() for v in state])
     try:
-        profile = profile_chain(calls, start, names=[c.name for c in graph.calls], api=api,
-                                compiled=mode != "eager", same_as=same,
-                                xla=mode == "xla", applied=mode != "eager",
+        profile = profile_chain(calls, start, names=[c.name for c in graph.calls],
+                                mode=Mode(mode), same_as=same, applied=mode != "eager",
                                 # A model whose every call backprop reaches is measured
                                 # as it was validated (the input's gradient made too),
                                 # but for XLA as fit's step is (see _xla.fit_sources).

@@ -63,7 +63,7 @@ def solve(profile: ChainProfile, budget: Union[int, str], *, api: str = "plan_se
     # profile sees (see docs/decisions/0009-headroom.md).
     least = int(predict(min_peak + chain.outside))
     min_budget = min(plain_peak, int(math.ceil(least / (1 - _HEADROOM))))
-    mode = "xla" if profile.xla else "graph" if profile.compiled else "eager"
+    mode = profile.mode
     plan = SequentialPlan(names=tuple(layer.name for layer in profile.layers), pieces=plain,
                           mode=mode, budget_bytes=budget,
                           predicted_peak_bytes=plain_peak, plain_peak_bytes=plain_peak,

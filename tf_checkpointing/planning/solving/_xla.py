@@ -160,7 +160,7 @@ class XlaAnchor:
         return xs[k - 1] + (xs[k] - xs[k - 1]) * (xla_bytes - ys[k - 1]) / (ys[k] - ys[k - 1])
 
 
-def measure_xla_step(run: Callable[[Any], Any], inputs: Any, api: str,
+def measure_xla_step(run: Callable[[Any], Any], inputs: Any,
                      variables: Sequence[Any] = (),
                      trainable: Optional[Sequence[Any]] = None,
                      jit: Optional[bool] = True) -> StepReading:
@@ -172,8 +172,8 @@ def measure_xla_step(run: Callable[[Any], Any], inputs: Any, api: str,
     eager step is not timed."""
 
     def measure() -> StepReading:
-        x = concrete_inputs(inputs, api)
-        device = memory_device(x, api)
+        x = concrete_inputs(inputs)
+        device = memory_device(x)
         saved = [v.numpy() for v in variables]
         recorder = StateRecorder()
         with recorder:
@@ -192,14 +192,14 @@ def measure_xla_step(run: Callable[[Any], Any], inputs: Any, api: str,
 
 
 def model_anchor(key: Any, graph: Any, inputs: Any, least_spans: tuple, runner: PlanRunner, *,
-                 model_least: float, model_plain: float, api: str,
+                 model_least: float, model_plain: float,
                  least_policies: tuple = ()) -> XlaAnchor:
     """The anchor of a whole-model plan for an XLA step: its plain step and its
     least plan (``least_spans``, its regions under ``least_policies``) compiled
     and measured, once per profile ``key``."""
     if key not in _model_anchors:
-        plain = measure_plan(graph, inputs, api, runner, ())
-        least = measure_plan(graph, inputs, api, runner, least_spans,
+        plain = measure_plan(graph, inputs, runner, ())
+        least = measure_plan(graph, inputs, runner, least_spans,
                              least_policies) if least_spans else plain
         _model_anchors[key] = XlaAnchor(model_least=model_least, model_plain=model_plain,
                                         least_bytes=least.peak_bytes,
@@ -211,7 +211,7 @@ def model_anchor(key: Any, graph: Any, inputs: Any, least_spans: tuple, runner: 
     return _model_anchors[key]
 
 
-def measure_plan(graph: LayerGraph, inputs: Any, api: str, runner: PlanRunner, spans: tuple,
+def measure_plan(graph: LayerGraph, inputs: Any, runner: PlanRunner, spans: tuple,
                  region_policies: tuple = (), mode: str = "xla",
                  blocks: tuple = ()) -> StepReading:
     """The peak and time of the step (``mode``: ``"eager"``, ``"graph"`` or ``"xla"``) of
@@ -221,7 +221,7 @@ def measure_plan(graph: LayerGraph, inputs: Any, api: str, runner: PlanRunner, s
     plan = ModelPlan(names, pieces_of_spans(0, len(names), spans, region_policies), mode=mode,
                      blocks=tuple(blocks))
     _progress.step(_MEASURING[mode])
-    return measure_xla_step(runner(plan), inputs, api,
+    return measure_xla_step(runner(plan), inputs,
                             graph.model.non_trainable_variables,
                             jit=None if mode == "eager" else mode == "xla",
                             trainable=fit_sources(graph, mode))

@@ -1,0 +1,250 @@
+"""The one object that makes, reuses, caches and saves a model's plans.
+
+``apply_checkpointing(model, budget=...)`` (or ``plan=``) installs a
+:class:`~tf_checkpointing._graph_runner.GraphRunner`, which only runs plans: each
+call asks its :class:`PlanMaker` ``plan_for(inputs, mode, training=...)``. The
+maker holds everything that decides which plan that is, in one place:
+
+- the plan given with ``plan=`` (the only one then; a step in another mode than
+  it was made for is warned about, once per mode);
+- for ``budget=``, the budget and the save policies offered, and the plans made
+  so far, per set of layers that take gradients, mode and batch shape
+  (:class:`~tf_checkpointing.planning.plans._reuse.PlansByShape`; unfreezing a
+  backbone plans anew, see docs/decisions/0031-plans-per-batch-and-mode.md);
+- the plans ``plan_model`` made ahead for the same budget and policies
+  (:mod:`~tf_checkpointing.planning.plans._reuse`, emptied by
+  ``tf_checkpointing.planning.clear_caches()`` like every planning cache);
+- the largest batch ``Model.fit`` said it feeds (:mod:`._fit_batches`), for a step
+  traced with an unknown batch size;
+- the ``plan_cache`` folder, read before planning and written after
+  (:mod:`~tf_checkpointing.planning.plans._plan_files`).
+
+Why one object: the runner and the planner were interleaved (the runner imported a
+dozen planning names and kept plan caches, files and plans made ahead itself), so
+what a call runs was spread over several places. See
+docs/decisions/0040-plan-maker.md.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Optional
+
+import keras
+import tensorflow as tf
+
+from tf_checkpointing._block_switch import install_switches, remove_switches
+from tf_checkpointing._fit_batches import tell_the_batch_on_fit
+from tf_checkpointing._graph_runner import GraphRunner, model_runner
+from tf_checkpointing.core._internals import KerasTensor
+from tf_checkpointing.core._losses import AddedLosses
+from tf_checkpointing.planning._errors import worded
+from tf_checkpointing.planning.layer_graph._blocks import sublayers
+from tf_checkpointing.planning.layer_graph._frozen import backprop_calls
+from tf_checkpointing.planning.layer_graph._layer_graph import LayerGraph, read_graph
+from tf_checkpointing.planning.measuring._modes import Mode
+from tf_checkpointing.planning.plans._budget import Budget
+from tf_checkpointing.planning.plans._plan import ModelPlan
+from tf_checkpointing.planning.plans._plan_files import (
+    device_of_step,
+    plan_key,
+    read_plan,
+    write_plan,
+)
+from tf_checkpointing.planning.plans._reuse import PlansByShape, made_ahead
+from tf_checkpointing.planning.solving._model_planner import plan_graph
+
+__all__: list[str] = []
+
+_API = "apply_checkpointing"
+_A_STEP = {Mode.EAGER: "an eager", Mode.GRAPH: "a graph", Mode.XLA: "an XLA"}
+
+
+class PlanMaker:
+    """Makes, reuses, caches and saves the plans of one model's graph.
+
+    Args:
+        graph: the model's layer graph.
+        plan: a plan made ahead (``plan=``): the only plan, in every mode.
+        budget: else, the validated budget each plan is made for.
+        policies: the validated save policies a plan may choose among.
+        plan_cache: a folder of plan files (validated), or None.
+    """
+
+    def __init__(self, graph: LayerGraph, *, plan: Optional[ModelPlan] = None,
+                 budget: Optional[Budget] = None, policies: tuple[Any, ...] = (),
+                 plan_cache: Any = None) -> None:
+        self.graph = graph
+        self.given = plan
+        self.budget = budget
+        self.policies = policies
+        self.plan_cache = plan_cache
+        # The largest batch Model.fit feeds, told by its wrapper (see _fit_batches):
+        # a step traced with an unknown batch size is planned for it.
+        self.batch_hint: Optional[int] = None
+        self._plans: dict[Any, PlansByShape[ModelPlan]] = {}  # per frozen set
+        self._warned: set[Mode] = set()  # modes told that the given plan is another's
+        # Every layer whose losses the profile could add (nested models' too).
+        self._layers = list(graph.model._flatten_layers(include_self=True,  # noqa: SLF001
+                                                        recursive=True))
+
+    @property
+    def plans(self) -> PlansByShape[ModelPlan]:
+        """The plans made for ``budget`` while the same layers are frozen as now:
+        unfreezing a backbone (fine-tuning's second phase) changes what a
+        compiled step keeps, so the next training call is planned anew."""
+        return self._plans.setdefault(backprop_calls(self.graph), PlansByShape())
+
+    def plan_for(self, inputs: Any, mode: Mode, *, training: Any) -> Optional[ModelPlan]:
+        """The plan a call on ``inputs`` in ``mode`` runs: the given plan, or the
+        one made for the budget for this mode and batch (made now, read from
+        ``plan_cache``, or made ahead by ``plan_model``); None for an inference
+        call before any plan (it runs plainly)."""
+        if self.given is not None:
+            self._expect_plan_mode(mode)
+            return self.given
+        self.plans.adopt(made_ahead(self.graph.model, self.budget, self.policies))
+        if self.batch_hint is not None:  # fit said how large its batches are
+            inputs = with_batch(inputs, self.batch_hint)
+        plan, plan_anew = self.plans.find(mode, inputs, training=training)
+        if not plan_anew:
+            return plan
+        key = self._key(inputs, mode)
+        plan = None if key is None else read_plan(self.plan_cache, key, self.graph, _API)
+        if plan is None:
+            with worded(_API):
+                plan = self._make(inputs, mode)
+            if key is not None:
+                write_plan(self.plan_cache, key, plan, _API)
+        self.plans.add(mode, inputs, plan)
+        return plan
+
+    def _key(self, inputs: Any, mode: Mode) -> Optional[str]:
+        """The plan file's key for this question, or None without a ``plan_cache``."""
+        if self.plan_cache is None:
+            return None
+        return plan_key(self.graph, inputs, mode=mode, budget=self.budget,
+                        policies=self.policies, frozen=backprop_calls(self.graph),
+                        device=device_of_step())
+
+    def _make(self, inputs: Any, mode: Mode) -> ModelPlan:
+        profiled = AddedLosses(self._layers)
+        try:
+            assert self.budget is not None  # no plan given: a budget was
+            return plan_graph(self.graph, inputs, self.budget, mode=mode, api=_API,
+                              runner=model_runner(self.graph), policies=self.policies)
+        finally:  # the profile's layer calls add losses of their own
+            profiled.take()
+
+    def _expect_plan_mode(self, mode: Mode) -> None:
+        """Warns (once per mode) when the given plan was made for another kind of
+        step: its regions run exactly, but what it was predicted to keep holds
+        for the kind it was made for (a graph frees what an eager step keeps,
+        XLA assigns buffers its own way)."""
+        plan = self.given
+        if plan is None or not any(plan.checkpointed) or plan.mode == mode or (
+                mode in self._warned) or plan.predicted_peak_bytes is None:
+            return
+        self._warned.add(mode)
+        warnings.warn(
+            f"{_API}: argument `plan` was made for {plan.mode} steps (mode={plan.mode!r}) "
+            f"and runs in {_A_STEP[mode]} step: gradients are exact, "
+            f"but its predicted peak ({plan.predicted_peak_bytes / 2**20:.1f} MiB) holds for "
+            f"{plan.mode} steps. Fix: make it with plan_model(model, x, budget=..., "
+            f"mode={mode!r}) (Model.fit and tf.function: 'graph'; jit_compile=True: "
+            "'xla'), or pass budget=... to plan on the first training step.",
+            UserWarning, stacklevel=4)
+
+
+def install(model: Any, *, plan: Optional[ModelPlan] = None, budget: Optional[Budget] = None,
+            force_seed: bool = False, check: Any = False, policies: tuple[Any, ...] = (),
+            plan_cache: Any = None) -> GraphRunner:
+    """Makes ``model`` run its graph by ``plan`` (or by the plan for ``budget``
+    made on its first training call): replaces the instance's ``call`` with a
+    runner that asks a new :class:`PlanMaker`."""
+    graph = read_graph(model, _API)
+    if plan is not None:
+        expect_plan_fits(plan, graph)
+    current = vars(model).get("call")
+    original = current.original_call if isinstance(current, GraphRunner) else None
+    if isinstance(current, GraphRunner):  # replaced: its blocks' switches go with it
+        remove_switches(current.blocks.values())
+    maker = PlanMaker(graph, plan=plan, budget=budget, policies=policies,
+                      plan_cache=plan_cache)
+    runner = GraphRunner(graph, maker, original_call=original or type(model).call,
+                         force_seed=force_seed, check=check)
+    install_switches(runner.blocks.values(), force_seed=force_seed, check=check)
+    # Plain object.__setattr__: nothing for Keras or TensorFlow to track.
+    object.__setattr__(model, "call", runner)
+    if plan is None and isinstance(model, keras.Model):
+        tell_the_batch_on_fit(model, _tell_maker)
+    return runner
+
+
+def expect_plan_fits(plan: ModelPlan, graph: LayerGraph) -> None:
+    """Refuses a given plan made for another model (other layer calls, or blocks
+    inside calls this model does not have)."""
+    model = graph.model
+    names = tuple(call.name for call in graph.calls)
+    # Another instance of the same architecture (its layers numbered on by
+    # Keras) runs the plan too: regions are positions in the same graph. The
+    # same names are not enough where the plan knows what each call computes
+    # (a Conv2D "stem" of other width, a slice h[:, :1] for h[:, :64]).
+    fits = plan.call_kinds == graph.kinds() if plan.call_kinds else names == plan.names
+    if not fits:
+        same = names == plan.names
+        named = ("" if len(names) != len(plan.names)
+                 else " with the same names" if same else " with other names")
+        computed = ("" if not plan.call_kinds else
+                    f" {'but' if same else 'and'} other layers, arguments or connections")
+        raise ValueError(
+            f"{_API}: argument `plan` was made for another model: it has "
+            f"{len(plan.names)} layer calls, `{model.name}` has {len(names)}{named}"
+            f"{computed}; {_first_difference(plan, graph)}. "
+            "Make the plan with plan_model(model, inputs, budget=...) on this model."
+        )
+    if not all(i < len(graph.calls) and k < len(sublayers(graph.calls[i].layer))
+               for i, k in plan.blocks):
+        raise ValueError(
+            f"{_API}: argument `plan` checkpoints blocks inside calls that `{model.name}` "
+            f"does not have ({', '.join(plan.block_names[:3])}...). Make the plan with "
+            "plan_model(model, inputs, budget=...) on this model.")
+
+
+def _first_difference(plan: ModelPlan, graph: LayerGraph) -> str:
+    """The first layer call where ``plan`` and ``graph`` differ, in words: its
+    name, or what the plan says it computes against what the model's does."""
+    names = [call.name for call in graph.calls]
+    kinds = graph.kinds() if plan.call_kinds else ()
+    for i in range(min(len(names), len(plan.names))):
+        if plan.names[i] != names[i] and not plan.call_kinds:
+            return (f"the first that differs is call {i}: `{plan.names[i]}` in the plan, "
+                    f"`{names[i]}` here")
+        if plan.call_kinds and plan.call_kinds[i] != kinds[i]:
+            ours, theirs = plan.call_kinds[i], kinds[i]
+            at = next(k for k, (a, b) in enumerate(zip(ours, theirs)) if a != b) \
+                if ours[:len(theirs)] != theirs[:len(ours)] else min(len(ours), len(theirs))
+            start = max(0, at - 30)
+            return (f"the first that differs is call {i}, `{names[i]}` here (`{plan.names[i]}` "
+                    f"in the plan): the plan's reads ...{ours[start:at + 30]}... where this "
+                    f"model's reads ...{theirs[start:at + 30]}...")
+    return f"the first {min(len(names), len(plan.names))} calls are alike, then one has more"
+
+
+def _tell_maker(model: Any, batch: Optional[int]) -> None:
+    """What ``model.fit`` tells before it trains (see ``_fit_batches``)."""
+    runner = vars(model).get("call")
+    if isinstance(runner, GraphRunner) and isinstance(runner.maker, PlanMaker):
+        runner.maker.batch_hint = batch
+
+
+def with_batch(inputs: Any, batch: int) -> Any:
+    """``inputs`` with each unknown first dimension ``batch``: symbolic stand-ins
+    (KerasTensors) of the shapes to plan for; known shapes stay as they are."""
+    def fill(leaf: Any) -> Any:
+        shape = getattr(leaf, "shape", None)
+        if shape is None or not len(shape) or shape[0] is not None:
+            return leaf
+        return KerasTensor((batch, *tuple(shape)[1:]), dtype=leaf.dtype)
+
+    return tf.nest.map_structure(fill, inputs)
