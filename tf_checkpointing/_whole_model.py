@@ -36,7 +36,7 @@ from tf_checkpointing.planning.measuring._modes import expect_mode
 from tf_checkpointing.planning.plans._budget import expect_budget
 from tf_checkpointing.planning.plans._plan import ModelPlan
 from tf_checkpointing.planning.plans._plan_files import expect_folder
-from tf_checkpointing.planning.plans._reuse import remember
+from tf_checkpointing.planning.plans._reuse import plans_made_ahead, remember
 from tf_checkpointing.planning.solving._model_planner import plan_graph
 
 __all__ = ["plan_model"]
@@ -197,10 +197,46 @@ def checkpoint_whole_model(model: Any, *, budget: Any = None,
             "plan_cache='plans/' (a plan given as plan= is saved with plan.to_config()).")
     if checked is not None:
         expect_statistics(_API)
+        _refuse_what_plans_made_ahead_rule_out(model, checked, candidates)
     if plan_cache is not None:
         expect_folder(plan_cache, _API)
     install(model, plan=plan, budget=checked, force_seed=force_seed, check=check,
             policies=candidates, plan_cache=plan_cache)
+
+
+def _refuse_what_plans_made_ahead_rule_out(model: Any, budget: Any,
+                                           policies: tuple) -> None:
+    """Refuses a budget of bytes below the least that ``plan_model`` found for
+    ``model`` (with these policies) in the mode its compiled step runs in (any
+    mode planned, when it is not compiled yet): it cannot be met, and would be
+    refused inside the first training step, after that step's planning."""
+    if not isinstance(budget, int):
+        return
+    mode = _compiled_mode(model)
+    known = [(plan.min_budget_bytes, made_for, specs)
+             for made_for, specs, plan in plans_made_ahead(model, policies)
+             if plan.min_budget_bytes and (mode is None or made_for == mode)]
+    if not known or budget >= min(least for least, _, _ in known):
+        return
+    least, made_for, specs = min(known, key=lambda item: item[0])
+    shapes = ", ".join(str(tuple(spec.shape)) for spec in specs)
+    raise ValueError(
+        f"{_API}: argument `budget` is below the least memory any plan of `{model.name}` "
+        f"needs in {made_for} steps, as plan_model found it on inputs of shape {shapes}: "
+        f"expected at least {least} bytes ({least / 2**20:.2f} MiB), received "
+        f"budget={budget} ({budget / 2**20:.2f} MiB). Fix: pass budget={least} or more, "
+        "or budget='min'; to train on smaller batches, plan_model(model, x_small, "
+        f"budget=..., mode={str(made_for)!r}) with them first.")
+
+
+def _compiled_mode(model: Any) -> Optional[str]:
+    """The mode ``model``'s compiled ``fit`` step runs in, or None before
+    ``compile``."""
+    if not getattr(model, "compiled", False):
+        return None
+    if getattr(model, "run_eagerly", False):
+        return "eager"
+    return "xla" if getattr(model, "jit_compile", False) is True else "graph"
 
 
 def warn_if_costly(model: Any, chosen: list[Any]) -> None:

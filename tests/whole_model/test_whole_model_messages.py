@@ -122,12 +122,40 @@ def test_a_budget_below_the_least_is_a_typed_error_worded_by_the_api_called():
                        ) as caught:
         tc.plan_model(model, batch, budget=least - 1, mode="eager")
     assert (caught.value.budget, caught.value.least) == (least - 1, least)
+    # Planned ahead, the budget is refused at once (see the test below); forgotten,
+    # it is planned, and refused, in the first training call.
+    from tf_checkpointing.planning import clear_caches
+
+    clear_caches()
     tc.apply_checkpointing(model, budget=least - 1)
     # (Keras puts "Exception encountered when calling ..." before it, keeping the type.)
     with pytest.raises(BudgetTooLow, match=r"apply_checkpointing: argument `budget` is "
                                            r"below.*Raise the budget"):
         with tf.GradientTape():
             model(batch, training=True)
+
+
+def test_a_budget_below_what_plan_model_found_is_refused_by_apply_checkpointing():
+    """Where plan_model has found the least for the model, apply_checkpointing
+    refuses a budget below it at once, naming the mode and the inputs, and leaves
+    the model as it was; in the mode the compiled step runs (and only there)."""
+    x, y = _data(8)
+    model = _mlp()
+    least = tc.plan_model(model, x, budget="min", mode="graph").min_budget_bytes
+    with pytest.raises(ValueError, match=r"^apply_checkpointing: argument `budget` is below "
+                       r"the least memory any plan of `functional.*` needs in graph steps, as "
+                       rf"plan_model found it on inputs of shape \(8, 4\): expected at least "
+                       rf"{least} bytes .* received budget={least - 1} .*Fix: pass "
+                       rf"budget={least} or more"):
+        tc.apply_checkpointing(model, budget=least - 1)
+    assert "call" not in vars(model)  # not installed: the model runs as it did
+    model.compile("sgd", "mse", jit_compile=True)  # an XLA step: nothing known for it
+    tc.apply_checkpointing(model, budget=least - 1)
+    model.compile("sgd", "mse", jit_compile=False)  # a graph step: refused
+    with pytest.raises(ValueError, match="needs in graph steps"):
+        tc.apply_checkpointing(model, budget=least - 1)
+    tc.apply_checkpointing(model, budget=least)
+    assert np.isfinite(model.train_on_batch(x, y))
 
 
 def test_plan_model_on_a_symbolic_input_says_pass_a_concrete_batch():

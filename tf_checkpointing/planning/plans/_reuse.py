@@ -47,6 +47,14 @@ def remember(model: Any, inputs: Any, budget: Any, policies: tuple, plan: Any) -
     _MADE_AHEAD.setdefault(model, []).append((budget, policies, plan.mode, specs, plan))
 
 
+def plans_made_ahead(model: Any, policies: tuple) -> list[tuple[str, list, Any]]:
+    """``(mode, input specs, plan)`` of each plan :func:`remember` noted for
+    ``model`` with these policies, for any budget: what is known of its least
+    budgets before a step runs."""
+    return [(mode, specs, plan) for _, chosen, mode, specs, plan
+            in _MADE_AHEAD.get(model, ()) if chosen == policies]
+
+
 def made_ahead(model: Any, budget: Any, policies: tuple) -> list[tuple[str, list, Any]]:
     """``(mode, input specs, plan)`` of each plan :func:`remember` noted for
     ``model`` with this budget and these policies."""

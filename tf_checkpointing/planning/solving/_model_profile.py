@@ -104,8 +104,11 @@ def cached_choices(graph: LayerGraph, inputs: Any, mode: str,
 
 
 def profile_key(graph: LayerGraph, inputs: Any, mode: str) -> tuple:
-    shapes = tuple((tuple(leaf.shape), str(leaf.dtype)) for leaf in tf.nest.flatten(inputs)
-                   if hasattr(leaf, "shape"))
+    # The dtype's name: a NumPy batch given to plan_model and the tensor a Keras
+    # step traces with are the same inputs (str() reads 'float32' for one and
+    # "<dtype: 'float32'>" for the other, and the step profiled the model again).
+    shapes = tuple((tuple(leaf.shape), tf.as_dtype(leaf.dtype).name)
+                   for leaf in tf.nest.flatten(inputs) if hasattr(leaf, "shape"))
     # Which layers are frozen: unfreezing a backbone makes another profile.
     return (id(graph.model), len(graph.calls), shapes, mode, backprop_calls(graph))
 
