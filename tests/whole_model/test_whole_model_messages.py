@@ -231,3 +231,16 @@ def test_plan_model_refuses_inputs_that_are_not_the_models():
                                          r".*1 tensor\(s\) of shapes \[\(None, 8\)\]; "
                                          r"received 2 of shapes \[\(4, 8\), \(4, 8\)\]"):
         tc.plan_model(model, [batch, batch], budget="min")
+
+
+def test_a_numpy_batch_and_the_steps_tensor_share_one_profile():
+    """plan_model(model, numpy_batch) and the training step (which traces a tensor
+    of that shape) key the profile alike, so the step reuses it, and enforces the
+    least plan_model reported, instead of measuring the model again."""
+    from tf_checkpointing.planning.layer_graph._layer_graph import read_graph
+    from tf_checkpointing.planning.solving._model_profile import profile_key
+
+    x, _ = _data(8)
+    graph = read_graph(_mlp(), "test")
+    assert profile_key(graph, x, "graph") == profile_key(graph, tf.constant(x), "graph")
+    assert profile_key(graph, x, "graph") != profile_key(graph, x.astype("float64"), "graph")
