@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 
 import keras
 import pytest
@@ -184,24 +185,33 @@ def test_plan_cache_refuses_what_is_not_a_folder_with_a_budget(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def cached_plan_name(tmp_path_factory):
-    """The file name under which the model of ``_cached_step`` is cached (planned once
-    for the module's tests)."""
+def cached_plan(tmp_path_factory):
+    """The plan file of ``_cached_step``'s model (planned once for the module's
+    tests): its name, its key and the model's layer graph."""
     folder = tmp_path_factory.mktemp("plan_cache")
-    _cached_step(folder)
+    model = _cached_step(folder)
     (saved,) = folder.glob("plan-*.json")
-    return saved.name
+    return saved.name, json.loads(saved.read_text())["key"], model.call.maker.graph
 
 
 @pytest.mark.parametrize("content", ["[1, 2]", '"text"', "null", '{"key": 3}',
                                      '{"plan": []}', '{"plan": {"names": 5}}'])
-def test_plan_cache_replans_over_valid_json_that_is_not_a_plan(tmp_path, content,
-                                                              cached_plan_name):
-    saved = tmp_path / cached_plan_name
-    saved.write_text(content)
+def test_plan_cache_replans_over_valid_json_that_is_not_a_plan(tmp_path, content, cached_plan):
+    # Valid JSON that is no plan once crashed the first step (`'list' object has
+    # no attribute 'get'`). Read as the plan maker reads it (planning again after
+    # a refused file: test_plan_cache_replans_over_a_file_it_cannot_use_and_says_which).
+    from tf_checkpointing.planning.plans._plan_files import read_plan
+
+    name, key, graph = cached_plan
+    (tmp_path / name).write_text(content)
     with pytest.warns(UserWarning, match=r"plan_cache.*cannot be used.*planning again"):
-        model = _cached_step(tmp_path)
-    assert model.call.plan.regions
+        assert read_plan(tmp_path, key, graph, "apply_checkpointing") is None
+    # The same file with the plan in it is read: what refused the others is its content.
+    (tmp_path / name).write_text(json.dumps(
+        {"key": key, "plan": tc.ModelPlan.from_regions(graph.model, [["stem"]]).to_config()}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert read_plan(tmp_path, key, graph, "apply_checkpointing").regions == [["stem"]]
 
 
 def test_plan_cache_that_cannot_be_a_folder_is_refused_when_given(tmp_path):
