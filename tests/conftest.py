@@ -55,3 +55,36 @@ def _forget_planned_chains():
     from tf_checkpointing.planning import clear_caches
 
     clear_caches()
+
+
+# The test files that take longest, longest first (`--junitxml` times of a full run; the
+# rest follow in their usual order). pytest-xdist hands out whole files (`--dist
+# loadfile`) in collection order (`--no-loadscope-reorder`; by default it orders them by
+# their number of tests, which left the few-test files that run examples and fresh
+# processes to the end, one worker running them while the other waited). Longest first,
+# the two workers finish within a short file of each other.
+LONGEST_FIRST = (
+    "tests/whole_model/test_nested_blocks.py",
+    "tests/docs_examples/test_examples.py",
+    "tests/whole_model/test_whole_model.py",
+    "tests/whole_model/test_whole_model_memory.py",
+    "tests/docs_examples/test_benchmarks.py",
+    "tests/whole_model/test_fit_batches.py",
+    "tests/whole_model/test_no_trace.py",
+    "tests/whole_model/test_whole_model_policies.py",
+    "tests/whole_model/test_xla_memory.py",
+    "tests/planning/test_plans_per_batch.py",
+    "tests/whole_model/test_whole_model_frozen.py",
+    "tests/planning/test_chain_frozen.py",
+    "tests/core/test_policies.py",
+    "tests/core/test_xla_filters.py",
+    "tests/whole_model/test_plan_files.py",
+    "tests/whole_model/test_whole_model_nested_calls.py",
+    "tests/planning/test_planning_random_state.py",
+    "tests/planning/test_sequential.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {path: k for k, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
