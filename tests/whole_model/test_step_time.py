@@ -162,3 +162,22 @@ def test_blocks_replay_their_share_of_their_call():
     cost = np.array([0.5, 2.0, 0.25])
     assert block_work(graph, cost, refs) == pytest.approx(2.0)
     assert block_work(graph, cost, refs[:1]) == pytest.approx(0.5)
+
+
+def test_the_steps_a_time_model_compares_are_timed_in_rounds():
+    # The XLA anchor's plain and least steps: timed one after the other, a change
+    # in the machine's load between them landed in their difference, which sets
+    # the replay scale (it hit both of its clamps on a loaded machine).
+    from tf_checkpointing.planning.measuring._step_profile import interleaved_seconds
+
+    order = []
+
+    def run(name, seconds):
+        def step():
+            order.append(name)
+            time.sleep(seconds)
+        return step
+
+    plain, least = interleaved_seconds([run("plain", 0.001), run("least", 0.02)], rounds=3)
+    assert order == ["plain", "least"] * 3
+    assert 0.001 <= plain < least and least >= 0.02

@@ -188,7 +188,8 @@ def _reads(traced: list[Any]) -> Optional[BackwardReads]:
 
 def graph_plain_step(calls, x, device, jit_compile: bool = False,
                      applied: bool = False,
-                     trainable: Optional[Sequence[Any]] = None) -> StepReading:
+                     trainable: Optional[Sequence[Any]] = None,
+                     timed: bool = True) -> StepReading:
     """Peak and time of the chain's plain forward and backward as one ``tf.function``
     (with ``applied``: each weight gradient consumed at once by an SGD update,
     as by an optimizer; their values are put back after). The gradients are of
@@ -204,9 +205,10 @@ def graph_plain_step(calls, x, device, jit_compile: bool = False,
     step, and a plan calibrated to it overran its budget (see
     docs/decisions/0028-plain-step-with-an-update.md).
 
-    The time is the least of a few warm steps, taken after the peak's readings
-    (the time model of whole-model plans starts from it, see
-    docs/decisions/0039-step-time-model.md).
+    The time (``timed``; else None) is the least of a few warm steps, taken
+    after the peak's readings (the time model of whole-model plans starts from
+    it, see docs/decisions/0039-step-time-model.md). Only the steps the time
+    model reads are timed: a plan measured for its peak alone is not.
 
     An XLA step (``jit_compile``) is measured as a training step too: the
     gradient of a loss (half the outputs' sum of squares) and the update. XLA
@@ -214,7 +216,44 @@ def graph_plain_step(calls, x, device, jit_compile: bool = False,
     gradients only summed it read below a step with Keras' SGD, with an output
     gradient of ones above it; with both, the same bytes as Keras' SGD step
     (see docs/decisions/0023-xla-plans.md)."""
-    updated: list[tf.Variable] = []  # filled when traced: the variables the step updates
+    (reading,) = graph_steps([calls], x, device, jit_compile, applied, trainable, timed)
+    return reading
+
+
+def graph_steps(chains: Sequence[Any], x: Any, device: str, jit_compile: bool = False,
+                applied: bool = False, trainable: Optional[Sequence[Any]] = None,
+                timed: bool = True) -> list[StepReading]:
+    """:func:`graph_plain_step` of each of ``chains`` (lists of calls), their
+    peaks measured one after the other and, ``timed``, their times taken in
+    alternation: a run of each in every round, the least of each kept. The time
+    model reads the difference of two steps' times (a plan's replays against
+    the plain step); timed one after the other, a change in the machine's load
+    between them lands in that difference, timed in rounds it slows both."""
+    steps, updated = [], []
+    for calls in chains:
+        step, writes = _training_step(calls, x, jit_compile, applied, trainable)
+        steps.append(step)
+        updated += [v for v in writes if all(v is not u for u in updated)]
+    # Copies: on CPU a variable's .numpy() can share its buffer, and the step's
+    # first update would then copy every weight and hold both in the pool.
+    saved = [v.numpy().copy() for v in updated]
+    try:
+        peaks = []
+        for step in steps:
+            sync(step(x))  # warm up
+            peaks.append(_step_peak(lambda step=step: sync(step(x)), device, jit_compile))
+        seconds = (interleaved_seconds([lambda step=step: sync(step(x)) for step in steps])
+                   if timed else [None] * len(steps))
+        return [StepReading(peak, time) for peak, time in zip(peaks, seconds)]
+    finally:
+        for variable, value in zip(updated, saved):
+            variable.assign(value)
+
+
+def _training_step(calls, x, jit_compile: bool, applied: bool,
+                   trainable: Optional[Sequence[Any]]) -> tuple[Any, list[tf.Variable]]:
+    """The step of :func:`graph_plain_step`, traced, and the variables it updates."""
+    updated: list[tf.Variable] = []  # filled when traced
 
     def chain(x: Any) -> list[Any]:
         tape, y = taped(lambda x: run_all(calls, x), x, watch=trainable is None)
@@ -235,16 +274,7 @@ def graph_plain_step(calls, x, device, jit_compile: bool = False,
 
     step = planning_function(chain, jit_compile=jit_compile)
     step.get_concrete_function(x)  # traced: `updated` is known
-    # Copies: on CPU a variable's .numpy() can share its buffer, and the step's
-    # first update would then copy every weight and hold both in the pool.
-    saved = [v.numpy().copy() for v in updated]
-    try:
-        sync(step(x))  # warm up
-        peak = _step_peak(lambda: sync(step(x)), device, jit_compile)
-        return StepReading(peak, step_seconds(lambda: sync(step(x))))
-    finally:
-        for variable, value in zip(updated, saved):
-            variable.assign(value)
+    return step, updated
 
 
 def _step_peak(run: Callable[[], Any], device: str, jit_compile: bool) -> int:
@@ -272,11 +302,20 @@ def step_seconds(run: Callable[[], Any], runs: int = _TIMED_STEPS) -> float:
     """The least time of ``runs`` warm runs of ``run()`` (each waiting for its
     result): the least is the step's time with the least interference from
     whatever else the machine runs."""
-    best = float("inf")
-    for _ in range(runs):
-        started = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - started)
+    (best,) = interleaved_seconds([run], runs)
+    return best
+
+
+def interleaved_seconds(runs: Sequence[Callable[[], Any]],
+                        rounds: int = _TIMED_STEPS) -> list[float]:
+    """The least time of each of ``runs`` (warm, each waiting for its result)
+    over ``rounds`` rounds that run each once, in turn."""
+    best = [float("inf")] * len(runs)
+    for _ in range(rounds):
+        for k, run in enumerate(runs):
+            started = time.perf_counter()
+            run()
+            best[k] = min(best[k], time.perf_counter() - started)
     return best
 
 

@@ -59,7 +59,7 @@ from tf_checkpointing.planning.measuring._allocator import (
 from tf_checkpointing.planning.measuring._step_profile import (
     StepReading,
     eager_plain_peak,
-    graph_plain_step,
+    graph_steps,
 )
 from tf_checkpointing.planning.plans._plan import ModelPlan, PlanRunner, pieces_of_spans
 from tf_checkpointing.planning.solving._region_solver import Solution
@@ -163,15 +163,25 @@ class XlaAnchor:
 def measure_xla_step(run: Callable[[Any], Any], inputs: Any,
                      variables: Sequence[Any] = (),
                      trainable: Optional[Sequence[Any]] = None,
-                     jit: Optional[bool] = True) -> StepReading:
-    """Peak and time of ``run``'s forward and backward as one ``tf.function`` compiled
-    with ``jit_compile=jit`` (each gradient consumed at once, as an optimizer in
-    the step does), or run eagerly (``jit=None``: the gradients held until an
-    optimizer would apply them), on ``inputs`` in a thread of its own; the state
-    it writes (BatchNorm statistics, seeds) and ``variables`` are put back. An
-    eager step is not timed."""
+                     jit: Optional[bool] = True, timed: bool = False) -> StepReading:
+    """Peak (and, ``timed``, time) of ``run``'s forward and backward as one
+    ``tf.function`` compiled with ``jit_compile=jit`` (each gradient consumed at
+    once, as an optimizer in the step does), or run eagerly (``jit=None``: the
+    gradients held until an optimizer would apply them), on ``inputs`` in a
+    thread of its own; the state it writes (BatchNorm statistics, seeds) and
+    ``variables`` are put back. An eager step is not timed."""
+    (reading,) = measure_xla_steps([run], inputs, variables, trainable, jit, timed)
+    return reading
 
-    def measure() -> StepReading:
+
+def measure_xla_steps(runs: Sequence[Callable[[Any], Any]], inputs: Any,
+                      variables: Sequence[Any] = (),
+                      trainable: Optional[Sequence[Any]] = None,
+                      jit: Optional[bool] = True, timed: bool = False) -> list[StepReading]:
+    """:func:`measure_xla_step` of each of ``runs``, in one thread, timed (under
+    ``timed``) in alternation (see ``_step_profile.graph_steps``)."""
+
+    def measure() -> list[StepReading]:
         x = concrete_inputs(inputs)
         device = memory_device(x)
         saved = [v.numpy() for v in variables]
@@ -179,16 +189,17 @@ def measure_xla_step(run: Callable[[Any], Any], inputs: Any,
         with recorder:
             try:
                 if jit is None:
-                    return StepReading(eager_plain_peak([run], x, device, trainable))
-                return graph_plain_step([run], x, device, jit, applied=True,
-                                        trainable=trainable)
+                    return [StepReading(eager_plain_peak([run], x, device, trainable))
+                            for run in runs]
+                return graph_steps([[run] for run in runs], x, device, jit, applied=True,
+                                   trainable=trainable, timed=timed)
             finally:
                 recorder.restore_before()
                 for v, value in zip(variables, saved):
                     v.assign(value)
 
-    reading = in_fresh_thread(measure)
-    return StepReading(int(reading.peak_bytes), reading.seconds)
+    return [StepReading(int(reading.peak_bytes), reading.seconds)
+            for reading in in_fresh_thread(measure)]
 
 
 def model_anchor(key: Any, graph: Any, inputs: Any, least_spans: tuple, runner: PlanRunner, *,
@@ -196,11 +207,12 @@ def model_anchor(key: Any, graph: Any, inputs: Any, least_spans: tuple, runner: 
                  least_policies: tuple = ()) -> XlaAnchor:
     """The anchor of a whole-model plan for an XLA step: its plain step and its
     least plan (``least_spans``, its regions under ``least_policies``) compiled
-    and measured, once per profile ``key``."""
+    and measured, once per profile ``key``, and timed in alternation (the time
+    model reads the difference of their times)."""
     if key not in _model_anchors:
-        plain = measure_plan(graph, inputs, runner, ())
-        least = measure_plan(graph, inputs, runner, least_spans,
-                             least_policies) if least_spans else plain
+        plans = [((), ())] + ([(least_spans, least_policies)] if least_spans else [])
+        readings = measure_plans(graph, inputs, runner, plans, timed=True)
+        plain, least = readings[0], readings[-1]  # the plain step is the least if none helps
         _model_anchors[key] = XlaAnchor(model_least=model_least, model_plain=model_plain,
                                         least_bytes=least.peak_bytes,
                                         plain_bytes=plain.peak_bytes,
@@ -214,17 +226,29 @@ def model_anchor(key: Any, graph: Any, inputs: Any, least_spans: tuple, runner: 
 def measure_plan(graph: LayerGraph, inputs: Any, runner: PlanRunner, spans: tuple,
                  region_policies: tuple = (), mode: str = "xla",
                  blocks: tuple = ()) -> StepReading:
-    """The peak and time of the step (``mode``: ``"eager"``, ``"graph"`` or ``"xla"``) of
+    """The peak of the step (``mode``: ``"eager"``, ``"graph"`` or ``"xla"``) of
     ``graph``'s model run (by ``runner``) by the plan of ``spans`` and of the
     ``blocks`` inside its calls (see ``ModelPlan.blocks``)."""
+    (reading,) = measure_plans(graph, inputs, runner, [(spans, region_policies)], mode,
+                               blocks=blocks)
+    return reading
+
+
+def measure_plans(graph: LayerGraph, inputs: Any, runner: PlanRunner,
+                  plans: Sequence[tuple[tuple, tuple]], mode: str = "xla",
+                  blocks: tuple = (), timed: bool = False) -> list[StepReading]:
+    """:func:`measure_plan` of each ``(spans, region_policies)`` of ``plans``,
+    timed in alternation under ``timed``."""
     names = tuple(call.name for call in graph.calls)
-    plan = ModelPlan(names, pieces_of_spans(0, len(names), spans, region_policies), mode=mode,
-                     blocks=tuple(blocks))
-    _progress.step(_MEASURING[mode])
-    return measure_xla_step(runner(plan), inputs,
-                            graph.model.non_trainable_variables,
-                            jit=None if mode == "eager" else mode == "xla",
-                            trainable=fit_sources(graph, mode))
+    runs = []
+    for spans, region_policies in plans:
+        plan = ModelPlan(names, pieces_of_spans(0, len(names), spans, region_policies),
+                         mode=mode, blocks=tuple(blocks))
+        _progress.step(_MEASURING[mode])
+        runs.append(runner(plan))
+    return measure_xla_steps(runs, inputs, graph.model.non_trainable_variables,
+                             jit=None if mode == "eager" else mode == "xla",
+                             trainable=fit_sources(graph, mode), timed=timed)
 
 
 _MEASURING = {"eager": "measuring eager steps", "graph": "compiling and measuring graph steps",
