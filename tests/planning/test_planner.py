@@ -402,7 +402,7 @@ def test_readings_stop_once_their_median_is_settled(monkeypatch):
     # GRAPH_RUNS (a layer's) or PLAIN_STEPS (the plain step's): more runs could not
     # move the median. An allocator that reads the same in every run stands in for
     # one on a quiet machine (a busy one moves readings by a chunk or two).
-    from tf_checkpointing.planning.measuring import _step_profile
+    from tf_checkpointing.planning.measuring import _step_profile, _whole_step
 
     class Steady(_step_profile.Allocator):
         def current(self):
@@ -417,15 +417,18 @@ def test_readings_stop_once_their_median_is_settled(monkeypatch):
 
     asked = []
     original = _step_profile.median_settled
-    monkeypatch.setattr(_step_profile, "Allocator", Steady)
-    monkeypatch.setattr(_step_profile, "median_settled",
-                        lambda values, runs: asked.append((len(values), runs)) or original(
-                            values, runs))
+    def counted(values, runs):
+        asked.append((len(values), runs))
+        return original(values, runs)
+
+    for module in (_step_profile, _whole_step):  # a layer's readings, the whole step's
+        monkeypatch.setattr(module, "Allocator", Steady)
+        monkeypatch.setattr(module, "median_settled", counted)
     plan_sequential([keras.layers.ReLU()], tf.random.normal([64, 32]), budget=2**40,
                     mode="graph")
     runs_of = {runs: max(n for n, r in asked if r == runs) for _, runs in asked}
     assert runs_of == {_step_profile._GRAPH_RUNS: _step_profile._GRAPH_RUNS // 2 + 1,
-                       _step_profile._PLAIN_STEPS: _step_profile._PLAIN_STEPS // 2 + 1}
+                       _whole_step._PLAIN_STEPS: _whole_step._PLAIN_STEPS // 2 + 1}
     assert original([3, 3, 3], 5) and not original([3, 5, 5, 3], 5)
 
 

@@ -10,7 +10,7 @@ import tensorflow as tf
 
 import tf_checkpointing as tc
 from tf_checkpointing.planning.layer_graph._layer_graph import read_graph
-from tf_checkpointing.planning.measuring._step_profile import StepReading
+from tf_checkpointing.planning.measuring._whole_step import StepReading
 from tf_checkpointing.planning.solving import _model_planner
 
 

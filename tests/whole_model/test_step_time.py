@@ -168,7 +168,7 @@ def test_the_steps_a_time_model_compares_are_timed_in_rounds():
     # The XLA anchor's plain and least steps: timed one after the other, a change
     # in the machine's load between them landed in their difference, which sets
     # the replay scale (it hit both of its clamps on a loaded machine).
-    from tf_checkpointing.planning.measuring._step_profile import interleaved_seconds
+    from tf_checkpointing.planning.measuring._whole_step import interleaved_seconds
 
     order = []
 

@@ -6,7 +6,8 @@ and reads what they cost: the allocator's peaks and held bytes
 one profile per layer of a chain (:mod:`._profile`: eager steps in
 :mod:`._layer_profile`, ``tf.function`` and XLA steps in
 :mod:`._step_profile`, with the tensors each backward reads from
-:mod:`._backward_reads`), what each save policy keeps of a layer
+:mod:`._backward_reads`), a whole training step's peak and time
+(:mod:`._whole_step`), what each save policy keeps of a layer
 (:mod:`._choices`) and how long each tensor of a measured graph lives
 (:mod:`._lifetimes`). Measuring leaves the process as it found it
 (:mod:`._leave_no_trace`) and says what it is doing when that takes a while

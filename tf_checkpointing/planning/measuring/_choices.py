@@ -41,7 +41,7 @@ from tf_checkpointing.planning._constants import POLICY_SMALL_KEPT as _SMALL_KEP
 from tf_checkpointing.planning.measuring._allocator import planning_function
 from tf_checkpointing.planning.measuring._modes import Mode
 from tf_checkpointing.planning.measuring._profile import layer_key
-from tf_checkpointing.planning.measuring._step_profile import variable_ids
+from tf_checkpointing.planning.measuring._whole_step import variable_ids
 
 __all__ = ["PolicyChoices", "expect_policies", "measure_choices"]
 

@@ -32,7 +32,7 @@ from tf_checkpointing.planning.layer_graph._layer_graph import LayerGraph
 from tf_checkpointing.planning.measuring import _progress
 from tf_checkpointing.planning.measuring._leave_no_trace import nothing_left
 from tf_checkpointing.planning.measuring._modes import step_mode
-from tf_checkpointing.planning.measuring._step_profile import StepReading
+from tf_checkpointing.planning.measuring._whole_step import StepReading
 from tf_checkpointing.planning.plans._budget import LEAST, Budget
 from tf_checkpointing.planning.plans._plan import ModelPlan, PlanRunner, pieces_of_spans
 from tf_checkpointing.planning.solving._model_profile import (

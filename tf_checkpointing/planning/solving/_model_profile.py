@@ -36,7 +36,7 @@ from tf_checkpointing.planning.measuring._choices import PolicyChoices
 from tf_checkpointing.planning.measuring._layer_profile import ChainProfile
 from tf_checkpointing.planning.measuring._modes import Mode
 from tf_checkpointing.planning.measuring._profile import profile_chain
-from tf_checkpointing.planning.measuring._step_profile import StepReading
+from tf_checkpointing.planning.measuring._whole_step import StepReading
 from tf_checkpointing.planning.solving._regions import GraphCosts, RegionModel
 from tf_checkpointing.planning.solving._xla import fit_sources, forget_model_anchor
 

@@ -6,7 +6,7 @@ differently, so a plan's step is the plain step plus its replays:
     predicted step = plain step + replay_scale * (forward seconds replayed)
 
 The plain step is measured in the plan's mode while planning (the step the
-memory model is calibrated on, ``measuring._step_profile.graph_plain_step``;
+memory model is calibrated on, ``measuring._whole_step.graph_plain_step``;
 under XLA the plain step the anchor compiles, ``_xla.model_anchor``). The
 forward seconds replayed are the region program's own unit
 (:meth:`~._regions.RegionModel.extra_work`: each call's forward timed as a

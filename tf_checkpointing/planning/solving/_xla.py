@@ -32,7 +32,7 @@ not the curve's, which is raised to keep it monotone.
 Each XLA step is measured by the bytes it requests (:mod:`..measuring._requested`),
 not by the allocator's chunks, which depend on the free chunks the profile
 left in the pool; and as a training step (a loss's gradient, an SGD update:
-``measuring._step_profile.graph_plain_step``), which XLA schedules otherwise than a
+``measuring._whole_step.graph_plain_step``), which XLA schedules otherwise than a
 backward with a constant output gradient and gradients only summed.
 
 The measurements behind all of this: docs/decisions/0023-xla-plans.md.
@@ -56,7 +56,7 @@ from tf_checkpointing.planning.measuring._allocator import (
     in_fresh_thread,
     memory_device,
 )
-from tf_checkpointing.planning.measuring._step_profile import (
+from tf_checkpointing.planning.measuring._whole_step import (
     StepReading,
     eager_plain_peak,
     graph_steps,
@@ -179,7 +179,7 @@ def measure_xla_steps(runs: Sequence[Callable[[Any], Any]], inputs: Any,
                       trainable: Optional[Sequence[Any]] = None,
                       jit: Optional[bool] = True, timed: bool = False) -> list[StepReading]:
     """:func:`measure_xla_step` of each of ``runs``, in one thread, timed (under
-    ``timed``) in alternation (see ``_step_profile.graph_steps``)."""
+    ``timed``) in alternation (see ``_whole_step.graph_steps``)."""
 
     def measure() -> list[StepReading]:
         x = concrete_inputs(inputs)
