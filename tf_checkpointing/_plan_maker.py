@@ -103,19 +103,19 @@ class PlanMaker:
         if self.given is not None:
             self._expect_plan_mode(mode)
             return self.given
-        self.plans.adopt(made_ahead(self.graph.model, self.budget, self.policies))
-        if self.batch_hint is not None:  # fit said how large its batches are
-            inputs = with_batch(inputs, self.batch_hint)
-        plan, plan_anew = self.plans.find(mode, inputs, training=training)
-        if not plan_anew:
-            return plan
-        key = self._key(inputs, mode)
-        plan = None if key is None else read_plan(self.plan_cache, key, self.graph, _API)
-        if plan is None:
-            with worded(_API):
+        with worded(_API):  # planning's errors, warnings and progress name it
+            self.plans.adopt(made_ahead(self.graph.model, self.budget, self.policies))
+            if self.batch_hint is not None:  # fit said how large its batches are
+                inputs = with_batch(inputs, self.batch_hint)
+            plan, plan_anew = self.plans.find(mode, inputs, training=training)
+            if not plan_anew:
+                return plan
+            key = self._key(inputs, mode)
+            plan = None if key is None else read_plan(self.plan_cache, key, self.graph)
+            if plan is None:
                 plan = self._make(inputs, mode)
-            if key is not None:
-                write_plan(self.plan_cache, key, plan, _API)
+                if key is not None:
+                    write_plan(self.plan_cache, key, plan)
         self.plans.add(mode, inputs, plan)
         return plan
 
@@ -131,7 +131,7 @@ class PlanMaker:
         profiled = AddedLosses(self._layers)
         try:
             assert self.budget is not None  # no plan given: a budget was
-            return plan_graph(self.graph, inputs, self.budget, mode=mode, api=_API,
+            return plan_graph(self.graph, inputs, self.budget, mode=mode,
                               runner=model_runner(self.graph), policies=self.policies)
         finally:  # the profile's layer calls add losses of their own
             profiled.take()
@@ -162,7 +162,8 @@ def install(model: Any, *, plan: Optional[ModelPlan] = None, budget: Optional[Bu
     """Makes ``model`` run its graph by ``plan`` (or by the plan for ``budget``
     made on its first training call): replaces the instance's ``call`` with a
     runner that asks a new :class:`PlanMaker`."""
-    graph = read_graph(model, _API)
+    with worded(_API):
+        graph = read_graph(model)
     if plan is not None:
         expect_plan_fits(plan, graph)
     current = vars(model).get("call")

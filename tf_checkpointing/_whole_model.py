@@ -42,6 +42,7 @@ from tf_checkpointing.planning.solving._model_planner import plan_graph
 __all__ = ["plan_model"]
 
 _API = "apply_checkpointing"
+_PLAN_MODEL = "plan_model"
 _KEEP_OUTPUT = {"relu", "sigmoid", "tanh", "softmax", "elu", "relu6", "exponential"}
 _KEEP_NOTHING = (
     keras.layers.Add, keras.layers.Subtract, keras.layers.Concatenate, keras.layers.Reshape,
@@ -128,24 +129,23 @@ def plan_model(model: Any, inputs: Any, *, budget: Union[int, float, str], mode:
         >>> plan.predicted_peak_bytes <= plan.plain_peak_bytes
         True
     """
-    api = "plan_model"
-    with worded(api):
+    with worded(_PLAN_MODEL):  # planning's errors and warnings name plan_model
         mode = expect_mode(mode)
-    checked = expect_budget(budget, api)
-    candidates = expect_policies(policies, api)
-    graph = read_graph(model, api)
-    _expect_inputs(model, graph, inputs, api)
-    # Planning may run blocks inside calls checkpointed: switches for as long as it does.
-    with switches_installed(candidate_layers(graph)), worded(api):
-        plan = plan_graph(graph, inputs, checked, mode=mode, api=api,
-                          runner=model_runner(graph), policies=candidates)
+        checked = expect_budget(budget)
+        candidates = expect_policies(policies)
+        graph = read_graph(model)
+        _expect_inputs(model, graph, inputs)
+        # Planning may run blocks inside calls checkpointed: switches for as long as it does.
+        with switches_installed(candidate_layers(graph)):
+            plan = plan_graph(graph, inputs, checked, mode=mode, runner=model_runner(graph),
+                              policies=candidates)
     # apply_checkpointing(model, budget=...) runs it where it would plan the same
     # (a fit whose batch size is unknown, see planning.plans._reuse).
     remember(model, inputs, checked, candidates, plan)
     return plan
 
 
-def _expect_inputs(model: Any, graph: Any, inputs: Any, api: str) -> None:
+def _expect_inputs(model: Any, graph: Any, inputs: Any) -> None:
     """Refuses a batch that is not the model's inputs (Keras only warns when a
     one-input model gets a list, and the model then fails when called so)."""
     given = tf.nest.flatten(inputs)
@@ -154,10 +154,10 @@ def _expect_inputs(model: Any, graph: Any, inputs: Any, api: str) -> None:
     wanted = [tuple(t.shape) for t in tf.nest.flatten(functional_of(model).inputs)]
     received = [tuple(getattr(t, "shape", ())) for t in given]
     raise ValueError(
-        f"{api}: argument `inputs` must be a batch of `{model.name}`'s inputs: "
+        f"{_PLAN_MODEL}: argument `inputs` must be a batch of `{model.name}`'s inputs: "
         f"{len(wanted)} tensor(s) of shapes {wanted}; received {len(received)} of shapes "
         f"{received}. Pass the batch as the model is called on it, e.g. "
-        f"{api}(model, x, budget=...) with x of shape {wanted[0]} and a batch size.")
+        f"{_PLAN_MODEL}(model, x, budget=...) with x of shape {wanted[0]} and a batch size.")
 
 
 def checkpoint_whole_model(model: Any, *, budget: Any = None,
@@ -179,7 +179,8 @@ def checkpoint_whole_model(model: Any, *, budget: Any = None,
             f"{reprlib.repr(plan)} of type {type(plan).__name__}. Make one with "
             "plan_model(model, inputs, budget=...)."
         )
-    candidates = expect_policies(policies, _API)
+    with worded(_API):
+        candidates = expect_policies(policies)
     if plan is not None and candidates:
         raise TypeError(
             f"{_API}: argument `policies` chooses save policies while planning for a "
@@ -187,7 +188,8 @@ def checkpoint_whole_model(model: Any, *, budget: Any = None,
             f"policies={policies!r} with plan. Pass plan_model(model, inputs, budget=..., "
             "policies=...) as plan=, or budget=... with policies=..."
         )
-    checked = None if plan is not None else expect_budget(budget, _API)
+    with worded(_API):
+        checked = None if plan is not None else expect_budget(budget)
     folder = isinstance(plan_cache, (str, os.PathLike))
     if plan_cache is not None and (checked is None or not folder):
         raise TypeError(
@@ -195,11 +197,12 @@ def checkpoint_whole_model(model: Any, *, budget: Any = None,
             f"with `budget`; received plan_cache={plan_cache!r}"
             f"{' with plan' if checked is None else ''}. Pass e.g. budget='min', "
             "plan_cache='plans/' (a plan given as plan= is saved with plan.to_config()).")
-    if checked is not None:
-        expect_statistics(_API)
-        _refuse_what_plans_made_ahead_rule_out(model, checked, candidates)
-    if plan_cache is not None:
-        expect_folder(plan_cache, _API)
+    with worded(_API):
+        if checked is not None:
+            expect_statistics()
+            _refuse_what_plans_made_ahead_rule_out(model, checked, candidates)
+        if plan_cache is not None:
+            expect_folder(plan_cache)
     install(model, plan=plan, budget=checked, force_seed=force_seed, check=check,
             policies=candidates, plan_cache=plan_cache)
 
@@ -245,7 +248,7 @@ def warn_if_costly(model: Any, chosen: list[Any]) -> None:
     memory and costs time (see docs/decisions/0032-per-layer-selection-warning.md)."""
     if functional_of(model) is None or not all(_rule(layer) for layer in chosen):
         return  # no graph, or a layer whose backward we cannot predict: no warning
-    graph = read_graph(model, _API)
+    graph = read_graph(model)  # it has one (functional_of above)
     ids = {id(layer) for layer in chosen}
     plain: set[Any] = set()
     checkpointed: set[Any] = set()

@@ -241,6 +241,6 @@ def test_a_numpy_batch_and_the_steps_tensor_share_one_profile():
     from tf_checkpointing.planning.solving._model_profile import profile_key
 
     x, _ = _data(8)
-    graph = read_graph(_mlp(), "test")
+    graph = read_graph(_mlp())
     assert profile_key(graph, x, "graph") == profile_key(graph, tf.constant(x), "graph")
     assert profile_key(graph, x, "graph") != profile_key(graph, x.astype("float64"), "graph")
