@@ -17,7 +17,7 @@ from typing import Any, NamedTuple, Optional
 
 from tf_checkpointing.planning._constants import CHUNKS as _CHUNKS
 from tf_checkpointing.planning._constants import HEADROOM as _HEADROOM
-from tf_checkpointing.planning._errors import BudgetTooLow, PlanningValueError, caller
+from tf_checkpointing.planning._errors import BudgetTooLow, caller
 from tf_checkpointing.planning.layer_graph._blocks import (
     BlockRef,
     block_layers,
@@ -73,7 +73,7 @@ def plan_graph(graph: LayerGraph, inputs: Any, budget: Budget, *, mode: str,
     choosing among the (validated) save ``policies`` per region; an XLA plan is
     measured by running it with ``runner``. Every state the model owns is as it
     was before (see ``measuring._leave_no_trace``)."""
-    _expect_layer_calls(graph)
+    assert graph.calls, "the API checks that the model has layer calls"
     with nothing_left(), _progress.planning(f"`{graph.model.name}`"):
         planning = _Planning.start(graph, inputs, None if budget == LEAST else int(budget),
                                    mode=mode, runner=runner, policies=policies)
@@ -389,19 +389,3 @@ def with_reductions(policies: tuple[Any, ...]) -> tuple[Any, ...]:
     LayerNorm's), which cost almost no memory and spare the replay the passes
     that made them (see docs/decisions/0022-reductions-saveable-per-region.md)."""
     return (reductions_saveable,) + tuple(p for p in policies if p is not reductions_saveable)
-
-
-def _expect_layer_calls(graph: LayerGraph) -> None:
-    """Raises if ``graph`` has no layer call: a model that returns its inputs
-    (``keras.Model(i, i)``) has no region to checkpoint, and the profile of an
-    empty chain has nothing to measure (it used to fail with an IndexError).
-    Checked before any profiling, so the message comes first and at once."""
-    if graph.calls:
-        return
-    raise PlanningValueError(
-        f"`{graph.model.name}` has no layer calls between its inputs and its "
-        "outputs (e.g. keras.Model(inputs, inputs) returns its inputs), so there is "
-        "nothing to checkpoint; received a model with 0 layer calls. Train "
-        "it without apply_checkpointing / plan_model, or pass a model that calls "
-        "layers on its inputs."
-    )
