@@ -25,8 +25,10 @@ from typing import Any, Callable, Optional, Union
 
 import keras
 
+from tf_checkpointing._apply_arguments import expect_arguments
 from tf_checkpointing._decorator import CheckpointedLayer, checkpointable
-from tf_checkpointing._whole_model import checkpoint_whole_model, warn_if_costly
+from tf_checkpointing._plan_maker import install
+from tf_checkpointing._whole_model import warn_if_costly
 
 __all__: list[str] = []
 
@@ -143,58 +145,18 @@ def apply_checkpointing(
         >>> [layer.name for layer in apply_checkpointing(model, ["block"])]
         ['block']
     """
-    if not isinstance(model, keras.layers.Layer):
-        raise TypeError(
-            "apply_checkpointing: argument `model` must be a Keras model or layer; "
-            f"received {model!r} of type {type(model).__name__}. Pass the model "
-            "object, e.g. apply_checkpointing(model, ['block_1'])."
-        )
-    given = [name for name, value in (("select", select), ("budget", budget), ("plan", plan))
-             if value is not None]
-    if len(given) != 1:
-        raise TypeError(
-            "apply_checkpointing: pass exactly one of `select`, `budget` and `plan`; "
-            f"received {', '.join(given) or 'none of them'}. Pass e.g. "
-            "apply_checkpointing(model, budget='min') to let the library choose, or "
-            "apply_checkpointing(model, ['block_1']) to choose layers."
-        )
-    if select is None:
-        if policy is not None:
-            raise TypeError(
-                "apply_checkpointing: argument `policy` (one save policy for chosen layers) "
-                f"cannot be combined with `budget` or `plan`; received policy={policy!r} "
-                f"with {given[0]}. To let the planner choose a save policy per region, pass "
-                "policies=[...] (or policies='auto') with budget=...; or select=[...] with "
-                "policy=... for a save policy on chosen layers."
-            )
-        checkpoint_whole_model(model, budget=budget, plan=plan, force_seed=force_seed,
-                               check=check, policies=policies, plan_cache=plan_cache)
+    whole = expect_arguments(model, select, budget=budget, plan=plan, policy=policy,
+                             policies=policies, plan_cache=plan_cache)
+    if whole is not None:  # budget= or plan=: the graph runner
+        install(model, whole, force_seed=force_seed, check=check)
         _forget_traced_steps(model)
         return [model]
-    _expect_no_planner_options(plan_cache, policies)
     chosen = _chosen_layers(model, select)
     warn_if_costly(model, chosen)  # here: its stacklevel names the caller's line
     for layer in chosen:
         _checkpoint_layer(layer, force_seed=force_seed, check=check, policy=policy)
     _forget_traced_steps(model)
     return chosen
-
-
-def _expect_no_planner_options(plan_cache: Any, policies: Any) -> None:
-    """Raises for the planner's options (``plan_cache``, ``policies``) given with
-    ``select``."""
-    if plan_cache is not None:
-        raise TypeError(
-            "apply_checkpointing: argument `plan_cache` keeps the plans made for a "
-            f"`budget`, but layers were chosen with `select`; received plan_cache="
-            f"{plan_cache!r} with select. Pass budget=... with plan_cache=..., or drop it.")
-    if policies is not None:
-        raise TypeError(
-            "apply_checkpointing: argument `policies` is for the planner (with `budget`), "
-            f"but layers were chosen with `select`; received policies={policies!r} with "
-            "select. Pass policy=... for one save policy on the chosen layers, or "
-            "budget=... with policies=... to let the planner choose per region."
-        )
 
 
 def _chosen_layers(model: keras.layers.Layer, select: Selector) -> list[keras.layers.Layer]:

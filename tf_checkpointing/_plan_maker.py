@@ -33,15 +33,15 @@ from typing import Any, Optional
 import keras
 import tensorflow as tf
 
+from tf_checkpointing._apply_arguments import WholeModel
 from tf_checkpointing._block_switch import install_switches, remove_switches
 from tf_checkpointing._fit_batches import tell_the_batch_on_fit
 from tf_checkpointing._graph_runner import GraphRunner, model_runner
 from tf_checkpointing.core._internals import KerasTensor
 from tf_checkpointing.core._losses import AddedLosses
 from tf_checkpointing.planning._errors import worded
-from tf_checkpointing.planning.layer_graph._blocks import sublayers
 from tf_checkpointing.planning.layer_graph._frozen import backprop_calls
-from tf_checkpointing.planning.layer_graph._layer_graph import LayerGraph, read_graph
+from tf_checkpointing.planning.layer_graph._layer_graph import LayerGraph
 from tf_checkpointing.planning.measuring._modes import Mode
 from tf_checkpointing.planning.plans._budget import Budget
 from tf_checkpointing.planning.plans._plan import ModelPlan
@@ -103,19 +103,19 @@ class PlanMaker:
         if self.given is not None:
             self._expect_plan_mode(mode)
             return self.given
-        self.plans.adopt(made_ahead(self.graph.model, self.budget, self.policies))
-        if self.batch_hint is not None:  # fit said how large its batches are
-            inputs = with_batch(inputs, self.batch_hint)
-        plan, plan_anew = self.plans.find(mode, inputs, training=training)
-        if not plan_anew:
-            return plan
-        key = self._key(inputs, mode)
-        plan = None if key is None else read_plan(self.plan_cache, key, self.graph, _API)
-        if plan is None:
-            with worded(_API):
+        with worded(_API):  # planning's errors, warnings and progress name it
+            self.plans.adopt(made_ahead(self.graph.model, self.budget, self.policies))
+            if self.batch_hint is not None:  # fit said how large its batches are
+                inputs = with_batch(inputs, self.batch_hint)
+            plan, plan_anew = self.plans.find(mode, inputs, training=training)
+            if not plan_anew:
+                return plan
+            key = self._key(inputs, mode)
+            plan = None if key is None else read_plan(self.plan_cache, key, self.graph)
+            if plan is None:
                 plan = self._make(inputs, mode)
-            if key is not None:
-                write_plan(self.plan_cache, key, plan, _API)
+                if key is not None:
+                    write_plan(self.plan_cache, key, plan)
         self.plans.add(mode, inputs, plan)
         return plan
 
@@ -131,7 +131,7 @@ class PlanMaker:
         profiled = AddedLosses(self._layers)
         try:
             assert self.budget is not None  # no plan given: a budget was
-            return plan_graph(self.graph, inputs, self.budget, mode=mode, api=_API,
+            return plan_graph(self.graph, inputs, self.budget, mode=mode,
                               runner=model_runner(self.graph), policies=self.policies)
         finally:  # the profile's layer calls add losses of their own
             profiled.take()
@@ -156,79 +156,26 @@ class PlanMaker:
             UserWarning, stacklevel=4)
 
 
-def install(model: Any, *, plan: Optional[ModelPlan] = None, budget: Optional[Budget] = None,
-            force_seed: bool = False, check: Any = False, policies: tuple[Any, ...] = (),
-            plan_cache: Any = None) -> GraphRunner:
-    """Makes ``model`` run its graph by ``plan`` (or by the plan for ``budget``
-    made on its first training call): replaces the instance's ``call`` with a
-    runner that asks a new :class:`PlanMaker`."""
-    graph = read_graph(model, _API)
-    if plan is not None:
-        expect_plan_fits(plan, graph)
+def install(model: Any, whole: WholeModel, *, force_seed: bool = False,
+            check: Any = False) -> GraphRunner:
+    """Makes ``model`` run its graph by the plan given (or by the plan for the
+    budget made on its first training call): replaces the instance's ``call``
+    with a runner that asks a new :class:`PlanMaker`. ``whole`` holds the
+    arguments ``apply_checkpointing`` checked (``_apply_arguments``)."""
     current = vars(model).get("call")
     original = current.original_call if isinstance(current, GraphRunner) else None
     if isinstance(current, GraphRunner):  # replaced: its blocks' switches go with it
         remove_switches(current.blocks.values())
-    maker = PlanMaker(graph, plan=plan, budget=budget, policies=policies,
-                      plan_cache=plan_cache)
-    runner = GraphRunner(graph, maker, original_call=original or type(model).call,
+    maker = PlanMaker(whole.graph, plan=whole.plan, budget=whole.budget,
+                      policies=whole.policies, plan_cache=whole.plan_cache)
+    runner = GraphRunner(whole.graph, maker, original_call=original or type(model).call,
                          force_seed=force_seed, check=check)
     install_switches(runner.blocks.values(), force_seed=force_seed, check=check)
     # Plain object.__setattr__: nothing for Keras or TensorFlow to track.
     object.__setattr__(model, "call", runner)
-    if plan is None and isinstance(model, keras.Model):
+    if whole.plan is None and isinstance(model, keras.Model):
         tell_the_batch_on_fit(model, _tell_maker)
     return runner
-
-
-def expect_plan_fits(plan: ModelPlan, graph: LayerGraph) -> None:
-    """Refuses a given plan made for another model (other layer calls, or blocks
-    inside calls this model does not have)."""
-    model = graph.model
-    names = tuple(call.name for call in graph.calls)
-    # Another instance of the same architecture (its layers numbered on by
-    # Keras) runs the plan too: regions are positions in the same graph. The
-    # same names are not enough where the plan knows what each call computes
-    # (a Conv2D "stem" of other width, a slice h[:, :1] for h[:, :64]).
-    fits = plan.call_kinds == graph.kinds() if plan.call_kinds else names == plan.names
-    if not fits:
-        same = names == plan.names
-        named = ("" if len(names) != len(plan.names)
-                 else " with the same names" if same else " with other names")
-        computed = ("" if not plan.call_kinds else
-                    f" {'but' if same else 'and'} other layers, arguments or connections")
-        raise ValueError(
-            f"{_API}: argument `plan` was made for another model: it has "
-            f"{len(plan.names)} layer calls, `{model.name}` has {len(names)}{named}"
-            f"{computed}; {_first_difference(plan, graph)}. "
-            "Make the plan with plan_model(model, inputs, budget=...) on this model."
-        )
-    if not all(i < len(graph.calls) and k < len(sublayers(graph.calls[i].layer))
-               for i, k in plan.blocks):
-        raise ValueError(
-            f"{_API}: argument `plan` checkpoints blocks inside calls that `{model.name}` "
-            f"does not have ({', '.join(plan.block_names[:3])}...). Make the plan with "
-            "plan_model(model, inputs, budget=...) on this model.")
-
-
-def _first_difference(plan: ModelPlan, graph: LayerGraph) -> str:
-    """The first layer call where ``plan`` and ``graph`` differ, in words: its
-    name, or what the plan says it computes against what the model's does."""
-    names = [call.name for call in graph.calls]
-    kinds = graph.kinds() if plan.call_kinds else ()
-    for i in range(min(len(names), len(plan.names))):
-        if plan.names[i] != names[i] and not plan.call_kinds:
-            return (f"the first that differs is call {i}: `{plan.names[i]}` in the plan, "
-                    f"`{names[i]}` here")
-        if plan.call_kinds and plan.call_kinds[i] != kinds[i]:
-            ours, theirs = plan.call_kinds[i], kinds[i]
-            at = next(k for k, (a, b) in enumerate(zip(ours, theirs)) if a != b) \
-                if ours[:len(theirs)] != theirs[:len(ours)] else min(len(ours), len(theirs))
-            start = max(0, at - 30)
-            return (f"the first that differs is call {i}, `{names[i]}` here (`{plan.names[i]}` "
-                    f"in the plan): the plan's reads ...{ours[start:at + 30]}... where this "
-                    f"model's reads ...{theirs[start:at + 30]}...")
-    return f"the first {min(len(names), len(plan.names))} calls are alike, then one has more"
 
 
 def _tell_maker(model: Any, batch: Optional[int]) -> None:

@@ -27,7 +27,7 @@ import tensorflow as tf
 
 from tf_checkpointing import policies as save_policies
 from tf_checkpointing.core._recompute import checkpointed_call, frozen_weights, needs_checkpoint
-from tf_checkpointing.planning._errors import worded
+from tf_checkpointing.planning._errors import PlanningTypeError, PlanningValueError, worded
 from tf_checkpointing.planning.layer_graph._calling import (
     layer_names,
     route_keywords,
@@ -102,27 +102,27 @@ def checkpoint_sequential(
         >>> len(tape.gradient(loss, [v for l in layers for v in l.trainable_variables]))
         18
     """
-    layers = validate_layers(layers, _API)
-    candidates = _expect_choice(policy, policies, budget, _API)
-    policy = save_policies.resolve(policy, api=_API)
-    routed = route_keywords(layers, kwargs, _API)
-    if budget is None:
-        count = expect_segments(segments, len(layers), _API)
-    else:
-        budget = expect_budget(budget, _API)
-        if not isinstance(segments, str) or segments != "sqrt":
-            raise ValueError(
-                f"{_API}: pass either `segments` or `budget`, not both; received "
-                f"segments={segments!r} and budget={budget!r}. Drop segments= to plan "
-                "for the budget, or drop budget= for fixed segments."
-            )
-    if not needs_checkpoint():  # eager with no tape: nothing to plan or keep
-        return _run_layers(layers, routed, 0, len(layers), inputs)
-    if budget is None:
-        plan = even_plan(layer_names(layers), count)
-    else:
-        with worded(_API):
-            plan = cached_plan(layers, inputs, budget, kwargs, routed, api=_API,
+    with worded(_API):  # planning's errors, warnings and progress name it
+        layers = validate_layers(layers)
+        candidates = _expect_choice(policy, policies, budget)
+        policy = save_policies.resolve(policy, api=_API)
+        routed = route_keywords(layers, kwargs)
+        if budget is None:
+            count = expect_segments(segments, len(layers))
+        else:
+            budget = expect_budget(budget)
+            if not isinstance(segments, str) or segments != "sqrt":
+                raise PlanningValueError(
+                    "pass either `segments` or `budget`, not both; received "
+                    f"segments={segments!r} and budget={budget!r}. Drop segments= to plan "
+                    "for the budget, or drop budget= for fixed segments."
+                )
+        if not needs_checkpoint():  # eager with no tape: nothing to plan or keep
+            return _run_layers(layers, routed, 0, len(layers), inputs)
+        if budget is None:
+            plan = even_plan(layer_names(layers), count)
+        else:
+            plan = cached_plan(layers, inputs, budget, kwargs, routed,
                                runner=chain_runner(layers, kwargs, routed),
                                policies=candidates, input_grad=tape_reaches(inputs))
     return run_plan(layers, plan, inputs, kwargs, routed, policy=policy)
@@ -205,15 +205,13 @@ def plan_sequential(layers: Any, inputs: Any, *, budget: Union[float, str],
         >>> print(mixed)  # doctest: +ELLIPSIS
         SequentialPlan (graph): 16 layers, budget 4.00 MiB -> ...
     """
-    api = "plan_sequential"
-    layers = validate_layers(layers, api)
-    checked = expect_budget(budget, api)
-    candidates = expect_policies(policies, api)
-    with worded(api):
+    with worded("plan_sequential"):  # planning's errors, warnings and progress name it
+        layers = validate_layers(layers)
+        checked = expect_budget(budget)
+        candidates = expect_policies(policies)
         mode = expect_mode(mode)
-    routed = route_keywords(layers, kwargs, api)
-    with worded(api):
-        return cached_plan(layers, inputs, checked, kwargs, routed, api=api,
+        routed = route_keywords(layers, kwargs)
+        return cached_plan(layers, inputs, checked, kwargs, routed,
                            runner=chain_runner(layers, kwargs, routed), mode=mode,
                            policies=candidates)
 
@@ -225,37 +223,39 @@ def chain_runner(layers: Sequence[Any], kwargs: dict[str, Any],
 
 
 
-def _expect_choice(policy: Any, candidates: Any, budget: Any, api: str) -> tuple[Any, ...]:
-    """``policies=`` validated: it needs a budget, and excludes ``policy=``."""
-    chosen = expect_policies(candidates, api)
+def _expect_choice(policy: Any, candidates: Any, budget: Any) -> tuple[Any, ...]:
+    """``policies=`` validated: it needs a budget, and excludes ``policy=`` (the
+    chain API called words the errors, see ``planning._errors.worded``)."""
+    chosen = expect_policies(candidates)
     if candidates is not None and budget is None:
-        raise ValueError(
-            f"{api}: argument `policies` chooses a policy per layer for a memory budget, "
+        raise PlanningValueError(
+            f"argument `policies` chooses a policy per layer for a memory budget, "
             f"but no budget was given; received policies={candidates!r} and budget=None. "
             "Pass budget=... (bytes), or policy=... for one policy on every segment."
         )
     if candidates is not None and policy is not None:
-        raise ValueError(
-            f"{api}: pass either `policy` (one policy for every checkpointed segment) or "
+        raise PlanningValueError(
+            f"pass either `policy` (one policy for every checkpointed segment) or "
             f"`policies` (the planner chooses per layer), not both; received "
             f"policy={policy!r} and policies={candidates!r}. Drop one of them."
         )
     return chosen
 
 
-def expect_segments(segments: Any, num_layers: int, api: str) -> int:
-    """``segments`` as a count in ``[1, num_layers]``, or a clear error."""
+def expect_segments(segments: Any, num_layers: int) -> int:
+    """``segments`` as a count in ``[1, num_layers]``, or a clear error (worded by
+    the chain API called)."""
     if isinstance(segments, str) and segments == "sqrt":
         return max(1, round(math.sqrt(num_layers)))
     if isinstance(segments, bool) or not isinstance(segments, int):
-        raise TypeError(
-            f"{api}: argument `segments` must be an int or 'sqrt'; received "
+        raise PlanningTypeError(
+            f"argument `segments` must be an int or 'sqrt'; received "
             f"{segments!r} of type {type(segments).__name__}. Pass e.g. segments=4 or "
             "segments='sqrt'."
         )
     if not 1 <= segments <= num_layers:
-        raise ValueError(
-            f"{api}: argument `segments` must be between 1 and the number of layers "
+        raise PlanningValueError(
+            f"argument `segments` must be between 1 and the number of layers "
             f"({num_layers}); received segments={segments}. Pass a count in that range, "
             "or segments='sqrt'."
         )

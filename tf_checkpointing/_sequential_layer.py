@@ -23,7 +23,7 @@ from tf_checkpointing._sequential import (
     run_plan,
 )
 from tf_checkpointing.core._recompute import needs_checkpoint
-from tf_checkpointing.planning._errors import worded
+from tf_checkpointing.planning._errors import PlanningTypeError, PlanningValueError, worded
 from tf_checkpointing.planning.layer_graph._calling import (
     layer_names,
     route_keywords,
@@ -119,40 +119,40 @@ class CheckpointedSequential(keras.layers.Layer):
                  budget: Optional[Union[float, str]] = None, policy: Any = None,
                  policies: Any = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        api = _LAYER_API
-        layers = validate_layers(layers, api)
-        if isinstance(policies, (list, tuple)):  # from a config: names back to policies
-            policies = [save_policies.from_config(p) for p in policies]
-        self.policies = _expect_choice(policy, policies, budget, api)
-        for i, layer in enumerate(layers):
-            if not isinstance(layer, keras.layers.Layer):
-                raise TypeError(
-                    f"{api}: argument `layers` must contain only Keras layer instances "
-                    f"(to be saved and loaded); received {layer!r} of type "
-                    f"{type(layer).__name__} at index {i}. Wrap a function in a layer, "
-                    "e.g. keras.layers.Activation(tf.nn.gelu) or keras.layers.Lambda(fn), "
-                    "or use checkpoint_sequential for plain callables."
-                )
-        if budget is not None:
-            budget = expect_budget(budget, api)
-            if not isinstance(segments, str) or segments != "sqrt":
-                raise ValueError(
-                    f"{api}: pass either `segments` or `budget`, not both; received "
-                    f"segments={segments!r} and budget={budget!r}. Drop one of them."
-                )
-        else:
-            expect_segments(segments, len(layers), api)
+        with worded(_LAYER_API):  # the errors name the layer's class
+            layers = validate_layers(layers)
+            if isinstance(policies, (list, tuple)):  # from a config: names back to policies
+                policies = [save_policies.from_config(p) for p in policies]
+            self.policies = _expect_choice(policy, policies, budget)
+            for i, layer in enumerate(layers):
+                if not isinstance(layer, keras.layers.Layer):
+                    raise PlanningTypeError(
+                        "argument `layers` must contain only Keras layer instances "
+                        f"(to be saved and loaded); received {layer!r} of type "
+                        f"{type(layer).__name__} at index {i}. Wrap a function in a layer, "
+                        "e.g. keras.layers.Activation(tf.nn.gelu) or keras.layers.Lambda(fn), "
+                        "or use checkpoint_sequential for plain callables."
+                    )
+            count = None
+            if budget is not None:
+                budget = expect_budget(budget)
+                if not isinstance(segments, str) or segments != "sqrt":
+                    raise PlanningValueError(
+                        "pass either `segments` or `budget`, not both; received "
+                        f"segments={segments!r} and budget={budget!r}. Drop one of them."
+                    )
+            else:
+                count = expect_segments(segments, len(layers))
         self.layers = list(layers)
         self.segments = segments
         self.budget = budget
-        self.policy = save_policies.resolve(save_policies.from_config(policy), api=api)
-        self.plan: Optional[SequentialPlan] = None  # the plan of the last call
+        self.policy = save_policies.resolve(save_policies.from_config(policy), api=_LAYER_API)
+        # The plan of the last call; with segments, the one fixed plan.
+        self.plan: Optional[SequentialPlan] = (
+            None if count is None else even_plan(layer_names(layers), count))
         # Plans made for `budget`, per number of leading layers outside backprop
         # (frozen ones: unfreezing plans anew).
         self._plans: dict[int, PlansByShape[SequentialPlan]] = {}
-        if budget is None:
-            self.plan = even_plan(layer_names(layers), expect_segments(segments, len(layers),
-                                                                       api))
 
     def build(self, input_shape: Any) -> None:
         # Like keras.Sequential.build: a symbolic pass creates every layer's weights.
@@ -167,25 +167,25 @@ class CheckpointedSequential(keras.layers.Layer):
 
     def call(self, inputs: Any, training: Optional[bool] = None) -> Any:
         kwargs = {} if training is None else {"training": training}
-        routed = route_keywords(self.layers, kwargs, _LAYER_API, strict=False)
+        routed = route_keywords(self.layers, kwargs, strict=False)
         if not needs_checkpoint():  # eager with no tape: nothing to plan or keep
             return _run_layers(self.layers, routed, 0, len(self.layers), inputs)
         plan = self.plan
         if self.budget is not None:  # the plan for this mode and batch (see _reuse)
-            mode = step_mode("auto")
-            input_grad = tape_reaches(inputs)
-            plans = self._plans.setdefault(
-                frozen_prefix(self.layers, input_grad=input_grad, mode=mode),
-                PlansByShape(_LAYER_API))
-            plan, plan_anew = plans.find(mode, inputs, training=training)
-            if plan_anew:
-                with worded(_LAYER_API):
+            with worded(_LAYER_API):  # planning's errors, warnings and progress name it
+                mode = step_mode("auto")
+                input_grad = tape_reaches(inputs)
+                plans = self._plans.setdefault(
+                    frozen_prefix(self.layers, input_grad=input_grad, mode=mode),
+                    PlansByShape())
+                plan, plan_anew = plans.find(mode, inputs, training=training)
+                if plan_anew:
                     plan = cached_plan(self.layers, inputs, cast(Budget, self.budget),
-                                       kwargs, routed, api=_LAYER_API,
+                                       kwargs, routed,
                                        runner=chain_runner(self.layers, kwargs, routed),
                                        mode=mode, policies=self.policies,
                                        input_grad=input_grad)
-                plans.add(mode, inputs, plan)
+                    plans.add(mode, inputs, plan)
             if plan is None:  # inference (evaluate, predict) before any plan
                 return _run_layers(self.layers, routed, 0, len(self.layers), inputs)
             self.plan = plan

@@ -14,34 +14,31 @@ backward keeps, so the cost is predicted from shapes alone, before anything runs
 from __future__ import annotations
 
 import math
-import os
-import reprlib
 import warnings
 from typing import Any, Optional, Union
 
 import keras
 import tensorflow as tf
 
+from tf_checkpointing._apply_arguments import expect_layer_calls
 from tf_checkpointing._block_switch import switches_installed
 from tf_checkpointing._graph_runner import model_runner
-from tf_checkpointing._plan_maker import install
 from tf_checkpointing.core._internals import keras_numpy_ops
 from tf_checkpointing.planning._constants import COSTLY_SELECTION_RATIO
 from tf_checkpointing.planning._errors import worded
 from tf_checkpointing.planning.layer_graph._blocks import candidate_layers
 from tf_checkpointing.planning.layer_graph._layer_graph import functional_of, read_graph
-from tf_checkpointing.planning.measuring._allocator import expect_statistics
 from tf_checkpointing.planning.measuring._choices import expect_policies
 from tf_checkpointing.planning.measuring._modes import expect_mode
 from tf_checkpointing.planning.plans._budget import expect_budget
 from tf_checkpointing.planning.plans._plan import ModelPlan
-from tf_checkpointing.planning.plans._plan_files import expect_folder
-from tf_checkpointing.planning.plans._reuse import plans_made_ahead, remember
+from tf_checkpointing.planning.plans._reuse import remember
 from tf_checkpointing.planning.solving._model_planner import plan_graph
 
 __all__ = ["plan_model"]
 
 _API = "apply_checkpointing"
+_PLAN_MODEL = "plan_model"
 _KEEP_OUTPUT = {"relu", "sigmoid", "tanh", "softmax", "elu", "relu6", "exponential"}
 _KEEP_NOTHING = (
     keras.layers.Add, keras.layers.Subtract, keras.layers.Concatenate, keras.layers.Reshape,
@@ -128,24 +125,24 @@ def plan_model(model: Any, inputs: Any, *, budget: Union[int, float, str], mode:
         >>> plan.predicted_peak_bytes <= plan.plain_peak_bytes
         True
     """
-    api = "plan_model"
-    with worded(api):
+    with worded(_PLAN_MODEL):  # planning's errors and warnings name plan_model
         mode = expect_mode(mode)
-    checked = expect_budget(budget, api)
-    candidates = expect_policies(policies, api)
-    graph = read_graph(model, api)
-    _expect_inputs(model, graph, inputs, api)
-    # Planning may run blocks inside calls checkpointed: switches for as long as it does.
-    with switches_installed(candidate_layers(graph)), worded(api):
-        plan = plan_graph(graph, inputs, checked, mode=mode, api=api,
-                          runner=model_runner(graph), policies=candidates)
+        checked = expect_budget(budget)
+        candidates = expect_policies(policies)
+        graph = read_graph(model)
+        _expect_inputs(model, graph, inputs)
+        expect_layer_calls(graph)
+        # Planning may run blocks inside calls checkpointed: switches for as long as it does.
+        with switches_installed(candidate_layers(graph)):
+            plan = plan_graph(graph, inputs, checked, mode=mode, runner=model_runner(graph),
+                              policies=candidates)
     # apply_checkpointing(model, budget=...) runs it where it would plan the same
     # (a fit whose batch size is unknown, see planning.plans._reuse).
     remember(model, inputs, checked, candidates, plan)
     return plan
 
 
-def _expect_inputs(model: Any, graph: Any, inputs: Any, api: str) -> None:
+def _expect_inputs(model: Any, graph: Any, inputs: Any) -> None:
     """Refuses a batch that is not the model's inputs (Keras only warns when a
     one-input model gets a list, and the model then fails when called so)."""
     given = tf.nest.flatten(inputs)
@@ -154,89 +151,10 @@ def _expect_inputs(model: Any, graph: Any, inputs: Any, api: str) -> None:
     wanted = [tuple(t.shape) for t in tf.nest.flatten(functional_of(model).inputs)]
     received = [tuple(getattr(t, "shape", ())) for t in given]
     raise ValueError(
-        f"{api}: argument `inputs` must be a batch of `{model.name}`'s inputs: "
+        f"{_PLAN_MODEL}: argument `inputs` must be a batch of `{model.name}`'s inputs: "
         f"{len(wanted)} tensor(s) of shapes {wanted}; received {len(received)} of shapes "
         f"{received}. Pass the batch as the model is called on it, e.g. "
-        f"{api}(model, x, budget=...) with x of shape {wanted[0]} and a batch size.")
-
-
-def checkpoint_whole_model(model: Any, *, budget: Any = None,
-                           plan: Optional[ModelPlan] = None, force_seed: bool = False,
-                           check: Any = False, policies: Any = None,
-                           plan_cache: Any = None) -> None:
-    """Installs the graph runner on ``model`` for ``plan``, or for ``budget``
-    (planned on the first training call, choosing among ``policies``, or read
-    from ``plan_cache``)."""
-    if isinstance(plan, dict):  # a plan's config, as saved with plan.to_config()
-        raise TypeError(
-            f"{_API}: argument `plan` must be a ModelPlan; received a dict (a plan's "
-            f"config, with keys {sorted(plan)[:6]}...). Fix: pass "
-            "ModelPlan.from_config(config), e.g. apply_checkpointing(model, "
-            "plan=tf_checkpointing.ModelPlan.from_config(json.load(file))).")
-    if plan is not None and not isinstance(plan, ModelPlan):
-        raise TypeError(
-            f"{_API}: argument `plan` must be a ModelPlan from plan_model; received "
-            f"{reprlib.repr(plan)} of type {type(plan).__name__}. Make one with "
-            "plan_model(model, inputs, budget=...)."
-        )
-    candidates = expect_policies(policies, _API)
-    if plan is not None and candidates:
-        raise TypeError(
-            f"{_API}: argument `policies` chooses save policies while planning for a "
-            f"budget, but a plan was given (its regions' policies are in it); received "
-            f"policies={policies!r} with plan. Pass plan_model(model, inputs, budget=..., "
-            "policies=...) as plan=, or budget=... with policies=..."
-        )
-    checked = None if plan is not None else expect_budget(budget, _API)
-    folder = isinstance(plan_cache, (str, os.PathLike))
-    if plan_cache is not None and (checked is None or not folder):
-        raise TypeError(
-            f"{_API}: argument `plan_cache` must be a folder (a str or os.PathLike) given "
-            f"with `budget`; received plan_cache={plan_cache!r}"
-            f"{' with plan' if checked is None else ''}. Pass e.g. budget='min', "
-            "plan_cache='plans/' (a plan given as plan= is saved with plan.to_config()).")
-    if checked is not None:
-        expect_statistics(_API)
-        _refuse_what_plans_made_ahead_rule_out(model, checked, candidates)
-    if plan_cache is not None:
-        expect_folder(plan_cache, _API)
-    install(model, plan=plan, budget=checked, force_seed=force_seed, check=check,
-            policies=candidates, plan_cache=plan_cache)
-
-
-def _refuse_what_plans_made_ahead_rule_out(model: Any, budget: Any,
-                                           policies: tuple) -> None:
-    """Refuses a budget of bytes below the least that ``plan_model`` found for
-    ``model`` (with these policies) in the mode its compiled step runs in (any
-    mode planned, when it is not compiled yet): it cannot be met, and would be
-    refused inside the first training step, after that step's planning."""
-    if not isinstance(budget, int):
-        return
-    mode = _compiled_mode(model)
-    known = [(plan.min_budget_bytes, made_for, specs)
-             for made_for, specs, plan in plans_made_ahead(model, policies)
-             if plan.min_budget_bytes and (mode is None or made_for == mode)]
-    if not known or budget >= min(least for least, _, _ in known):
-        return
-    least, made_for, specs = min(known, key=lambda item: item[0])
-    shapes = ", ".join(str(tuple(spec.shape)) for spec in specs)
-    raise ValueError(
-        f"{_API}: argument `budget` is below the least memory any plan of `{model.name}` "
-        f"needs in {made_for} steps, as plan_model found it on inputs of shape {shapes}: "
-        f"expected at least {least} bytes ({least / 2**20:.2f} MiB), received "
-        f"budget={budget} ({budget / 2**20:.2f} MiB). Fix: pass budget={least} or more, "
-        "or budget='min'; to train on smaller batches, plan_model(model, x_small, "
-        f"budget=..., mode={str(made_for)!r}) with them first.")
-
-
-def _compiled_mode(model: Any) -> Optional[str]:
-    """The mode ``model``'s compiled ``fit`` step runs in, or None before
-    ``compile``."""
-    if not getattr(model, "compiled", False):
-        return None
-    if getattr(model, "run_eagerly", False):
-        return "eager"
-    return "xla" if getattr(model, "jit_compile", False) is True else "graph"
+        f"{_PLAN_MODEL}(model, x, budget=...) with x of shape {wanted[0]} and a batch size.")
 
 
 def warn_if_costly(model: Any, chosen: list[Any]) -> None:
@@ -245,7 +163,7 @@ def warn_if_costly(model: Any, chosen: list[Any]) -> None:
     memory and costs time (see docs/decisions/0032-per-layer-selection-warning.md)."""
     if functional_of(model) is None or not all(_rule(layer) for layer in chosen):
         return  # no graph, or a layer whose backward we cannot predict: no warning
-    graph = read_graph(model, _API)
+    graph = read_graph(model)  # it has one (functional_of above)
     ids = {id(layer) for layer in chosen}
     plain: set[Any] = set()
     checkpointed: set[Any] = set()

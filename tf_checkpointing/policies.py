@@ -277,16 +277,25 @@ def resolve(policy: Any, argument: str = "policy", *,
     """Validates a ``policy=`` / ``_policy=`` value given to ``api``: None or
     ``nothing_saveable`` (keep only the inputs) become None; any other callable
     is returned as is."""
-    if policy is None or policy is nothing_saveable:
+    problem = not_a_policy(policy, argument)
+    if problem is not None:
+        raise TypeError(f"{api}: {problem}")
+    return None if policy is None or policy is nothing_saveable else policy
+
+
+def not_a_policy(policy: Any, argument: str = "policy") -> Optional[str]:
+    """Why ``policy`` is not a save policy (nor None), naming ``argument``, with
+    the fix; None when it is one. The message has no function's name in front:
+    :func:`resolve` puts the caller's there, planning raises it typed for the API
+    layer to word (this module sits below both)."""
+    if policy is None or (callable(policy) and not isinstance(policy, (type, str, tf.Tensor))):
         return None
-    if callable(policy) and not isinstance(policy, (type, str, tf.Tensor)):
-        return policy
     if isinstance(policy, str) and hasattr(_module(), policy):
         fix = f"policy=tf_checkpointing.policies.{policy}"
     else:
         fix = "policy=tf_checkpointing.policies.dots_saveable"
-    raise TypeError(
-        f"{api}: argument `{argument}` must be None or a save policy (a callable "
+    return (
+        f"argument `{argument}` must be None or a save policy (a callable "
         "taking a tf_checkpointing.policies.OpOutput and returning a bool, such as "
         f"tf_checkpointing.policies.dots_saveable); received {policy!r} of type "
         f"{type(policy).__name__}. Pass e.g. {fix}."

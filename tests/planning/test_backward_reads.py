@@ -23,7 +23,7 @@ def _model():
 
 def test_the_profiles_reads_equal_a_trace_of_each_calls_gradient(monkeypatch):
     model = _model()
-    graph = read_graph(model, "test")
+    graph = read_graph(model)
     same = repeated_calls(graph)
     traced = _saved_tensors.saved_tensors(graph, same)
     got = []
@@ -56,5 +56,5 @@ def test_a_layer_that_reads_only_its_inputs_shape_saves_nothing():
 
     inputs = keras.Input((5, 4))
     model = keras.Model(inputs, Positions()(inputs))
-    graph = read_graph(model, "test")
+    graph = read_graph(model)
     assert _saved_tensors.saved_tensors(graph, [0]) == [(frozenset(), frozenset())]

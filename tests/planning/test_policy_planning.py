@@ -220,7 +220,7 @@ def test_eager_plans_choose_no_policy():
     (["auto", policies.nothing_saveable, DOTS, policies.everything_saveable], (DOTS, NO_BATCH)),
 ])
 def test_policies_argument_forms(value, expected):
-    assert expect_policies(value, "api") == expected
+    assert expect_policies(value) == expected
 
 
 @pytest.mark.parametrize("value, received", [

@@ -170,7 +170,7 @@ def _add_graph(later_reader, op=False):
     # Keras runs "row" after "add": reading short, it keeps short's gradient apart.
     row = keras.layers.Dense(1, name="row")(short if later_reader else added)
     out = keras.layers.Add(name="broadcast")([added, row])  # (None, 8) + (None, 1)
-    return read_graph(keras.Model(x, out), "test")
+    return read_graph(keras.Model(x, out))
 
 
 @pytest.mark.parametrize("op", [False, True], ids=["layer", "op_node"])

@@ -37,7 +37,7 @@ def test_block_spans_are_the_calls_of_the_repeated_block():
     model = _model_of_blocks()
     plan = tc.ModelPlan.from_regions(model, [["stem"]])
     names = list(plan.names)
-    spans = _model_planner.block_spans(read_graph(model, "test"))
+    spans = _model_planner.block_spans(read_graph(model))
     assert [names[a] for a, _, _ in spans] == ["block0", "block1", "block2"]
 
 

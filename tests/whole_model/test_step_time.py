@@ -54,8 +54,8 @@ def test_replaying_a_matrix_product_is_predicted_and_measured_slower_than_a_relu
     graph prunes the whole replay (measured: 26.8 ms against the ReLU's 27.3)."""
     x = tf.random.stateless_normal([512, 512], [0, 1])
     model = _heavy_and_cheap()
-    graph = read_graph(model, "test")
-    planning = _model_planner._Planning.start(graph, x, None, mode="graph", api="test",
+    graph = read_graph(model)
+    planning = _model_planner._Planning.start(graph, x, None, mode="graph",
                                               runner=model_runner(graph), policies=())
     names = [call.name for call in graph.calls]
     plans = {}
@@ -157,7 +157,7 @@ def test_blocks_replay_their_share_of_their_call():
 
     x = keras.Input((16,))
     model = keras.Model(x, keras.layers.Dense(1)(Stack()(keras.layers.Dense(16)(x))))
-    graph = read_graph(model, "test")
+    graph = read_graph(model)
     refs = _model_planner.inner_block_choices(graph)[0]
     cost = np.array([0.5, 2.0, 0.25])
     assert block_work(graph, cost, refs) == pytest.approx(2.0)

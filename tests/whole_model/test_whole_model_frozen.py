@@ -22,7 +22,7 @@ from tf_checkpointing.planning.layer_graph._layer_graph import read_graph
 
 def test_calls_backprop_reaches():
     model = partly_frozen(frozen_blocks=1, blocks=2)
-    graph = read_graph(model, "test")
+    graph = read_graph(model)
     reached = dict(zip((c.name for c in graph.calls), backprop_calls(graph)))
     # The frozen stem and block, and the Activation, Dropout and Add reading only
     # them, are outside backprop; the first trainable conv and all after it are in.

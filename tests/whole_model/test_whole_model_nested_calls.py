@@ -60,7 +60,7 @@ def test_the_nested_model_is_expanded(case):
     keras.utils.set_random_seed(0)
     build, inputs = CASES[case]
     model = build()
-    names = [call.name for call in read_graph(model, "test").calls]
+    names = [call.name for call in read_graph(model).calls]
     assert "base" not in names and "inner" not in names, names
     assert any(name.endswith("conv1") for name in names)
 
@@ -127,7 +127,7 @@ def test_a_region_over_an_op_node_equals_plain(mode):
     for variable, value in zip(model.variables, before):
         variable.assign(value)
     # Keras numbers the op and Reshape names per process: read them from the graph.
-    names = [call.name for call in read_graph(model, "test").calls]
+    names = [call.name for call in read_graph(model).calls]
     region = names[names.index("inner_bn2"):names.index("inner_relu2") + 3]
     assert any(name.startswith("multiply") for name in region), region
     plan = tc.ModelPlan.from_regions(model, [region], mode=mode)

@@ -157,7 +157,7 @@ def test_nested_inputs_converted_as_keras_does(build, mode):
 def test_nested_models_are_expanded_where_converting_per_reader_is_exact(build):
     keras.utils.set_random_seed(0)
     model, _ = build()
-    names = {call.name for call in read_graph(model, "test").calls}
+    names = {call.name for call in read_graph(model).calls}
     nested = {layer.name for layer in model._flatten_layers(include_self=False)
               if isinstance(layer, keras.Model)}
     assert names & nested == KEPT_AS_ONE_CALL.get(build.__name__, set()), names
@@ -169,7 +169,7 @@ def test_a_reader_is_recorded_with_the_dtype_it_is_given():
     conversions of both nested calls it skips."""
     keras.utils.set_random_seed(0)
     model, _ = mixed_float16()
-    first = next(call for call in read_graph(model, "test").calls
+    first = next(call for call in read_graph(model).calls
                  if isinstance(call.layer, Unscaled))
     assert [t.dtype for t in first.arguments.keras_tensors] == ["float16"]
     assert [step.model.name for step in first.entering[0]] == ["inner", "deep"]

@@ -57,7 +57,7 @@ def test_a_plan_replaying_regions_under_policies_equals_plain(mode):
     plain = _run(model, x, mode)
     for variable, value in zip(model.variables, before):
         variable.assign(value)
-    names = [call.name for call in read_graph(model, "test").calls]  # a plan's names
+    names = [call.name for call in read_graph(model).calls]  # a plan's names
     cut = [names.index(f"add{i}") + 1 for i in range(3)]
     # Block 0 under dots_saveable, block 1 under JAX's no-batch-dims choice,
     # block 2 fully replayed; the BatchNorm in the first region.
@@ -243,7 +243,7 @@ def test_a_large_family_is_timed_at_samples_of_its_sizes(monkeypatch):
     monkeypatch.setattr(_choices, "step_extra_seconds", step_seconds)
     keras.utils.set_random_seed(0)
     model = _widening([4 + 2 * i for i in range(12)])
-    graph = read_graph(model, "test")
+    graph = read_graph(model)
     x = tf.random.stateless_normal([2, 6, 6, 3], [0, 3])
     bns = [i for i, call in enumerate(graph.calls) if call.name.startswith("bn")]
     sizes = [2 * 6 * 6 * (4 + 2 * k) for k in range(12)]

@@ -6,19 +6,29 @@ one the user called. Rather than threading that name through every planning
 signature, planning raises a :class:`PlanningError` whose message starts with
 what is wrong (``argument `budget` ...``), and the API layer that the user
 called adds its name in front (:func:`worded`), keeping the type, the
-attributes and the rest of the message.
+attributes and the rest of the message. What planning tells without raising
+(a warning, a progress line) names the function too: :func:`worded` also holds
+the name, for as long as the call runs, where :func:`caller` reads it (a
+context variable, so a call in another thread or a nested public call names
+its own).
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Iterator
 from typing import Callable, Optional
 
 import tensorflow as tf
 
 __all__ = ["BudgetTooLow", "PlanningError", "PlanningRuntimeError", "PlanningTypeError",
-           "PlanningValueError", "worded"]
+           "PlanningValueError", "caller", "worded"]
+
+# The public function whose call is running (set by `worded`); outside any, the
+# package's name (planning's own functions called directly, as tests do).
+_CALLER: contextvars.ContextVar[str] = contextvars.ContextVar(
+    "tf_checkpointing_caller", default="tf_checkpointing")
 
 
 class PlanningError(Exception):
@@ -64,10 +74,23 @@ class BudgetTooLow(PlanningValueError):
         self.budget, self.least = budget, least
 
 
+def caller() -> str:
+    """The public function the user called, for planning's warnings and progress
+    lines: the ``api`` of the innermost :func:`worded` running.
+
+    Example:
+        >>> from tf_checkpointing.planning._errors import caller, worded
+        >>> with worded("plan_model"):
+        ...     print(caller())
+        plan_model
+    """
+    return _CALLER.get()
+
+
 @contextlib.contextmanager
 def worded(api: str) -> Iterator[None]:
     """Inside, a :class:`PlanningError` not yet worded gets ``api`` in front of
-    its message (the same exception, re-raised).
+    its message (the same exception, re-raised), and :func:`caller` is ``api``.
 
     While a ``tf.function`` is traced, it raises the builtin kind instead
     (``ValueError``, ``TypeError``, ``RuntimeError``) from the planning error:
@@ -83,6 +106,7 @@ def worded(api: str) -> Iterator[None]:
         ...     print(error)
         plan_model: argument `budget` must be ...
     """
+    token = _CALLER.set(api)
     try:
         yield
     except PlanningError as error:
@@ -96,3 +120,5 @@ def worded(api: str) -> Iterator[None]:
                            if kind in (ValueError, TypeError, RuntimeError))
             raise builtin(*error.args) from error
         raise
+    finally:
+        _CALLER.reset(token)

@@ -62,7 +62,7 @@ def block_spans(graph: LayerGraph) -> tuple:
         >>> class Block(keras.layers.Dense): pass
         >>> x = keras.Input((4,))
         >>> model = keras.Model(x, Block(4)(keras.layers.Dense(4)(Block(4)(x))))
-        >>> block_spans(read_graph(model, "doc"))
+        >>> block_spans(read_graph(model))
         ((0, 1, ()), (2, 3, ()))
     """
     counts = Counter(type(call.layer) for call in graph.calls if _is_block(call.layer))
@@ -90,7 +90,7 @@ def segment_spans(graph: LayerGraph, min_calls: int = _MIN_SEGMENT) -> tuple:
         >>> for _ in range(3):
         ...     y = keras.layers.Dense(4)(keras.layers.Dense(4)(h))
         ...     h = keras.layers.Add()([h, keras.layers.ReLU()(y)])
-        >>> segment_spans(read_graph(keras.Model(x, keras.layers.Dense(1)(h)), "doc"))
+        >>> segment_spans(read_graph(keras.Model(x, keras.layers.Dense(1)(h))))
         ((0, 4, ()), (4, 8, ()), (8, 12, ()))
     """
     floating = {key: _is_floating(t) for call in graph.calls
@@ -133,7 +133,7 @@ def inner_block_choices(graph: LayerGraph) -> list[tuple[BlockRef, ...]]:
         ...         return x
         >>> x = keras.Input((4,))
         >>> model = keras.Model(x, keras.layers.Dense(1)(Stack()(x)))
-        >>> inner_block_choices(read_graph(model, "doc"))
+        >>> inner_block_choices(read_graph(model))
         [((0, 0), (0, 1), (0, 2))]
     """
     in_graph = {id(call.layer) for call in graph.calls}

@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 import keras
 
+from tf_checkpointing.planning._errors import PlanningTypeError, PlanningValueError
 from tf_checkpointing.planning.layer_graph._layer_graph import chain_break
 
 __all__: list[str] = []
@@ -26,30 +27,31 @@ def layer_names(layers: Sequence[Any]) -> list[str]:
             or type(layer).__name__ for layer in layers]
 
 
-def validate_layers(layers: Any, api: str) -> list[Any]:
-    """The chain as a list, or a TypeError/ValueError that says what to pass."""
+def validate_layers(layers: Any) -> list[Any]:
+    """The chain as a list, or a ``PlanningTypeError`` / ``PlanningValueError``
+    that says what to pass (the API called names itself)."""
     if isinstance(layers, keras.Sequential):
         layers = list(layers.layers)
     if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence):
         try:
             layers = list(layers)
         except TypeError:
-            raise TypeError(
-                f"{api}: argument `layers` must be a list of callables (Keras layers or "
+            raise PlanningTypeError(
+                "argument `layers` must be a list of callables (Keras layers or "
                 f"functions); received {layers!r} of type {type(layers).__name__}. Pass "
                 "the chain as a list, e.g. [keras.layers.Dense(64), tf.nn.relu]."
             ) from None
     layers = list(layers)
     if not layers:
-        raise ValueError(
-            f"{api}: argument `layers` must contain at least one layer; received an "
+        raise PlanningValueError(
+            "argument `layers` must contain at least one layer; received an "
             "empty list. Pass the chain to run, e.g. [keras.layers.Dense(64) for _ in "
             "range(8)]."
         )
     reason = chain_break(layers)
     if reason is not None:
-        raise ValueError(
-            f"{api}: argument `layers` must form a chain (each layer fed the previous "
+        raise PlanningValueError(
+            "argument `layers` must form a chain (each layer fed the previous "
             f"one's output), but these layers come from a model graph that is not a "
             f"chain: {reason}. Checkpoint the whole model instead, with regions chosen "
             "for a memory budget: apply_checkpointing(model, budget=...) (bytes, or "
@@ -58,8 +60,8 @@ def validate_layers(layers: Any, api: str) -> list[Any]:
     for i, layer in enumerate(layers):
         if not callable(layer) or isinstance(layer, type):
             hint = " (a class: instantiate it)" if isinstance(layer, type) else ""
-            raise TypeError(
-                f"{api}: argument `layers` must contain only callables (Keras layer "
+            raise PlanningTypeError(
+                "argument `layers` must contain only callables (Keras layer "
                 f"instances or functions); received {layer!r} of type "
                 f"{type(layer).__name__} at index {i}{hint}. Pass e.g. "
                 "keras.layers.Dense(64) or tf.nn.relu."
@@ -86,10 +88,11 @@ def accepted_keywords(layer: Any) -> Optional[frozenset[str]]:
                      if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
 
 
-def route_keywords(layers: Sequence[Any], kwargs: dict[str, Any], api: str, *,
+def route_keywords(layers: Sequence[Any], kwargs: dict[str, Any], *,
                    strict: bool = True) -> list[dict]:
     """For each layer, the part of ``kwargs`` its signature accepts; with
-    ``strict``, a keyword that no layer accepts is an error (likely a typo)."""
+    ``strict``, a keyword that no layer accepts is an error (likely a typo: a
+    ``PlanningTypeError``, which the API called words)."""
     if not kwargs:
         return [{} for _ in layers]
     accepted = [accepted_keywords(layer) for layer in layers]
@@ -97,8 +100,8 @@ def route_keywords(layers: Sequence[Any], kwargs: dict[str, Any], api: str, *,
               {k: v for k, v in kwargs.items() if k in names} for names in accepted]
     unused = [k for k in kwargs if not any(k in r for r in routed)]
     if unused and strict:
-        raise TypeError(
-            f"{api}: keyword argument(s) {', '.join(map(repr, unused))} are accepted by "
+        raise PlanningTypeError(
+            f"keyword argument(s) {', '.join(map(repr, unused))} are accepted by "
             f"none of the {len(layers)} layers; received {unused[0]}="
             f"{kwargs[unused[0]]!r}. Check the spelling, or pass only keywords that some "
             "layer's call takes (e.g. training=True)."

@@ -42,6 +42,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_checkpointing.core._internals import record
+from tf_checkpointing.planning._errors import caller
 from tf_checkpointing.planning.layer_graph._layer_graph import LayerGraph
 from tf_checkpointing.planning.measuring._layer_profile import ChainProfile
 from tf_checkpointing.planning.measuring._lifetimes import GraphCosts
@@ -61,7 +62,7 @@ def backprop_calls(graph: LayerGraph, mode: str = "graph") -> tuple[bool, ...]:
         >>> x = keras.Input((4,))
         >>> frozen = keras.layers.Dense(4, trainable=False)
         >>> h = keras.layers.Dense(4)(keras.layers.ReLU()(frozen(x)))
-        >>> backprop_calls(read_graph(keras.Model(x, h), "example"))
+        >>> backprop_calls(read_graph(keras.Model(x, h)))
         (False, False, True)
     """
     if mode == "eager":
@@ -123,7 +124,7 @@ def trained_variables(layer: Any) -> Any:
     return [v for v in weights if getattr(v, "trainable", False)]
 
 
-def warn_eager_frozen(graph: LayerGraph, api: str) -> None:
+def warn_eager_frozen(graph: LayerGraph) -> None:
     """Warns that an eager plan of a model with frozen layers may keep more than
     predicted: the eager tape holds what the frozen calls made until the whole
     backward ends, which the model does not describe: such a plan can measure
@@ -137,7 +138,7 @@ def warn_eager_frozen(graph: LayerGraph, api: str) -> None:
         return
     shown = ", ".join(frozen[:3]) + (f" and {len(frozen) - 3} more" if len(frozen) > 3 else "")
     warnings.warn(
-        f"{api}: `{graph.model.name}` has frozen layers ({shown}) and the plan is for an "
+        f"{caller()}: `{graph.model.name}` has frozen layers ({shown}) and the plan is for an "
         "eager step, whose tape keeps what frozen layers make until the whole backward "
         "ends; the planner does not model that, and such a plan measured up to 2.1x its "
         "predicted peak. Fix: train in a tf.function (Model.fit does by default), where "

@@ -24,6 +24,7 @@ import keras
 import tensorflow as tf
 
 from tf_checkpointing.core._internals import operation_fn as _operation_fn
+from tf_checkpointing.planning._errors import PlanningValueError
 from tf_checkpointing.planning.layer_graph._nested_inputs import (
     Entering,
     NestedInput,
@@ -143,14 +144,15 @@ def functional_of(model: Any) -> Any:
     return None
 
 
-def read_graph(model: Any, api: str) -> LayerGraph:
-    """The flattened layer graph of ``model``, or a clear error when it has none."""
+def read_graph(model: Any) -> LayerGraph:
+    """The flattened layer graph of ``model``, or a clear error when it has none
+    (a ``PlanningValueError``: the API called names itself)."""
     functional = functional_of(model)
     if functional is None:
         kind = "keras.Sequential without an input shape" if isinstance(
             model, keras.Sequential) else f"{type(model).__name__} (a subclassed model)"
-        raise ValueError(
-            f"{api}: planning a whole model needs its layer graph, but `{model.name}` "
+        raise PlanningValueError(
+            f"planning a whole model needs its layer graph, but `{model.name}` "
             f"is a {kind}, whose graph Keras does not record; received model={model!r}. "
             "Build it with the functional API or keras.Sequential([keras.Input(...), "
             "...]); or checkpoint chosen layers with apply_checkpointing(model, "

@@ -13,42 +13,47 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 from tf_checkpointing import policies as save_policies
+from tf_checkpointing.planning._errors import PlanningTypeError, PlanningValueError
 
 __all__ = ["spans_by_name"]
 
 
-def spans_by_name(names: Sequence[str], regions: Any, policies: Optional[Sequence[Any]],
-                  api: str) -> tuple[tuple, tuple]:
+def spans_by_name(names: Sequence[str], regions: Any,
+                  policies: Optional[Sequence[Any]]) -> tuple[tuple, tuple]:
     """``regions`` (lists of layer-call names) as ``(start, stop, inner)`` spans
-    over ``names``, and the policy of each (None: a full replay)."""
+    over ``names``, and the policy of each (None: a full replay).
+
+    Raises:
+        PlanningTypeError, PlanningValueError: what is wrong with ``regions`` or
+            ``policies``, and the fix (the API called names itself)."""
     if isinstance(regions, (str, bytes)) or not isinstance(regions, Sequence):
-        raise TypeError(
-            f"{api}: argument `regions` must be a list of regions, each a list of layer "
+        raise PlanningTypeError(
+            "argument `regions` must be a list of regions, each a list of layer "
             f"names; received {regions!r} of type {type(regions).__name__}. Pass e.g. "
             f"regions=[[{', '.join(map(repr, names[:2]))}]].")
-    chosen = _expect_policies(policies, len(regions), api)
+    chosen = _expect_policies(policies, len(regions))
     spans = []
     at = 0
     for k, region in enumerate(regions):
-        span = _span(names, region, at, api, f"regions[{k}]")
+        span = _span(names, region, at, f"regions[{k}]")
         spans.append(span)
         at = span[1]
     return tuple(spans), chosen
 
 
-def _span(names: Sequence[str], region: Any, at: int, api: str, where: str) -> tuple:
+def _span(names: Sequence[str], region: Any, at: int, where: str) -> tuple:
     """The span of ``region`` at or after call ``at``."""
     if isinstance(region, (str, bytes)) or not isinstance(region, Sequence) or not region:
-        raise TypeError(
-            f"{api}: {where} must be a non-empty list of layer names; received "
+        raise PlanningTypeError(
+            f"{where} must be a non-empty list of layer names; received "
             f"{region!r}. Wrap a single layer in a list: [{region!r}].")
     flat = _flatten(region)
     for name in flat:
         if name not in names:
             close = difflib.get_close_matches(str(name), names, n=3)
             hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
-            raise ValueError(
-                f"{api}: {where} names a layer the model does not call: {name!r}.{hint} "
+            raise PlanningValueError(
+                f"{where} names a layer the model does not call: {name!r}.{hint} "
                 f"The model calls {len(names)} layers, in order: "
                 f"{', '.join(names[:8])}{', ...' if len(names) > 8 else ''} "
                 "(plan_model(...).names lists them all).")
@@ -57,8 +62,8 @@ def _span(names: Sequence[str], region: Any, at: int, api: str, where: str) -> t
             break
     else:
         first = names.index(flat[0])
-        raise ValueError(
-            f"{api}: {where} must be consecutive layer calls in run order, after the "
+        raise PlanningValueError(
+            f"{where} must be consecutive layer calls in run order, after the "
             f"previous region; received {flat!r}, but from {flat[0]!r} the model calls "
             f"{list(names[first:first + len(flat)])!r}. List the layers as the model "
             "calls them, regions in order and not overlapping.")
@@ -67,7 +72,7 @@ def _span(names: Sequence[str], region: Any, at: int, api: str, where: str) -> t
     pos = start
     for item in region:
         if isinstance(item, Sequence) and not isinstance(item, (str, bytes)):
-            span = _span(names, item, pos, api, where + " (inner)")
+            span = _span(names, item, pos, where + " (inner)")
             inner.append(span)
             pos = span[1]
         else:
@@ -85,12 +90,16 @@ def _flatten(region: Sequence[Any]) -> list:
     return out
 
 
-def _expect_policies(policies: Optional[Sequence[Any]], count: int, api: str) -> tuple:
+def _expect_policies(policies: Optional[Sequence[Any]], count: int) -> tuple:
     if policies is None:
         return ()
     if isinstance(policies, (str, bytes)) or not isinstance(policies, Sequence) or (
             len(policies) != count):
-        raise ValueError(
-            f"{api}: argument `policies` must list one save policy (or None) per region: "
+        raise PlanningValueError(
+            f"argument `policies` must list one save policy (or None) per region: "
             f"{count} of them; received {policies!r}. Pass e.g. policies=[None] * {count}.")
-    return tuple(save_policies.resolve(p, "policies", api=api) for p in policies)
+    for policy in policies:
+        problem = save_policies.not_a_policy(policy, "policies")
+        if problem is not None:
+            raise PlanningTypeError(problem)
+    return tuple(save_policies.resolve(p, "policies") for p in policies)

@@ -50,11 +50,11 @@ def saved_tensors(graph: LayerGraph, same_as: Sequence[int],
         >>> from tf_checkpointing.planning.layer_graph._saved_tensors import saved_tensors
         >>> a, b = keras.Input((4,)), keras.Input((4,))
         >>> h = keras.layers.Dense(4)(keras.layers.Concatenate()([a, b]))
-        >>> graph = read_graph(keras.Model([a, b], h), "example")
+        >>> graph = read_graph(keras.Model([a, b], h))
         >>> [len(inputs) for inputs, _ in saved_tensors(graph, [0, 1])]  # concat: none; dense: x
         [0, 1]
         >>> relu = keras.layers.ReLU()(a)
-        >>> graph = read_graph(keras.Model(a, relu), "example")
+        >>> graph = read_graph(keras.Model(a, relu))
         >>> [len(outputs) for _, outputs in saved_tensors(graph, [0])]  # relu's grad reads y
         [1]
     """

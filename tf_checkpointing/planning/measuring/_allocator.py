@@ -11,6 +11,7 @@ shapes (:func:`concrete_inputs`).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 import threading
 from typing import Any, Callable
@@ -59,11 +60,15 @@ class Allocator:
         return int(tf.config.experimental.get_memory_info(self.device)["peak"])
 
 
-def expect_statistics(api: str) -> None:
+def expect_statistics() -> None:
     """Raises at once, with the fix, when planning for a budget could not read the
     allocator of the device a training step will use (the first GPU, else the
     CPU): better when ``apply_checkpointing`` is called than at the first
-    training step, inside Keras' ``fit``."""
+    training step, inside Keras' ``fit``.
+
+    Raises:
+        PlanningRuntimeError: the statistics are off (the API called names
+            itself, and the way around measuring it offers)."""
     device = "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
     status = statistics_status(device)
     if status == "available":
@@ -74,11 +79,11 @@ def expect_statistics(api: str) -> None:
              f"{_BFC_ENV_VAR} is {state!r}")
     by_import = ("import tf_checkpointing before running any TensorFlow op (it then "
                  "turns them on), or " if state is None else "")
-    raise RuntimeError(
-        f"{api}: planning for a memory budget measures each layer with the {device} "
+    raise PlanningRuntimeError(
+        f"planning for a memory budget measures each layer with the {device} "
         f"allocator, but its memory statistics are {status} ({cause}). Fix: {by_import}"
         f"set {_BFC_ENV_VAR}=true before TensorFlow starts (`{_BFC_ENV_VAR}=true python "
-        f"train.py`){_without_measuring(api)}.")
+        "train.py`)", fix=lambda api: f"{_without_measuring(api)}.")
 
 
 def memory_device(inputs: Any) -> str:
@@ -200,11 +205,14 @@ def in_fresh_thread(fn: Callable[..., Any], *args: Any) -> Any:
 
     Tapes, graphs being traced and ``init_scope`` (which pauses every tape) are
     per thread, so a new thread gives both; the Keras dtype policy and the
-    distribution strategy, also per thread, are carried over.
+    distribution strategy, also per thread, are carried over, and so are the
+    context variables (the public function called, which planning's warnings
+    name: ``planning._errors.caller``).
     """
     policy = keras.config.dtype_policy()
     strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
     outcome: dict[str, Any] = {}
+    context = contextvars.copy_context()
 
     def target() -> None:
         try:
@@ -212,7 +220,7 @@ def in_fresh_thread(fn: Callable[..., Any], *args: Any) -> Any:
             keras.config.set_dtype_policy(policy)
             scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
             with scope:
-                outcome["result"] = fn(*args)
+                outcome["result"] = context.run(fn, *args)
         except BaseException as error:  # noqa: BLE001 - re-raised in the caller
             outcome["error"] = error
 

@@ -38,6 +38,7 @@ from tf_checkpointing.core._recompute import checkpointed
 from tf_checkpointing.core._residuals import saved_residuals
 from tf_checkpointing.core._save_policies import forward_kept_bytes
 from tf_checkpointing.planning._constants import POLICY_SMALL_KEPT as _SMALL_KEPT
+from tf_checkpointing.planning._errors import PlanningTypeError
 from tf_checkpointing.planning.measuring._allocator import planning_function
 from tf_checkpointing.planning.measuring._modes import Mode
 from tf_checkpointing.planning.measuring._profile import layer_key
@@ -50,21 +51,24 @@ AUTO = "auto"
 _AUTO_NAMES = ("dots_saveable", "dots_with_no_batch_dims_saveable")
 
 
-def expect_policies(value: Any, api: str) -> tuple[Any, ...]:
+def expect_policies(value: Any) -> tuple[Any, ...]:
     """``policies=`` as a tuple of candidate policies (empty: none), or a clear error.
 
     Accepted: None (full replays only), ``"auto"`` (``dots_saveable`` and
     ``dots_with_no_batch_dims_saveable``), or a list of policies, in which
     ``"auto"`` stands for those two. ``nothing_saveable`` (a full replay) and
     ``everything_saveable`` (plain) are always choices, so they are dropped.
+
+    Raises:
+        PlanningTypeError: for anything else (the API called names itself).
     """
     if value is None:
         return ()
     entries = [value] if isinstance(value, str) else value
     if not isinstance(entries, (list, tuple)):
-        raise TypeError(_message(api, value, f"of type {type(value).__name__} (one policy: "
-                                 "put it in a list, policies=[p], or pass policy=p for "
-                                 "every segment)"))
+        raise PlanningTypeError(_message(value, f"of type {type(value).__name__} (one "
+                                         "policy: put it in a list, policies=[p], or pass "
+                                         "policy=p for every segment)"))
     chosen: list[Any] = []
     for i, entry in enumerate(entries):
         if isinstance(entry, str) and entry == AUTO:
@@ -73,8 +77,8 @@ def expect_policies(value: Any, api: str) -> tuple[Any, ...]:
             chosen.append(entry)
         else:
             where = "" if entries is not value else f" (entry {i})"
-            raise TypeError(_message(api, value, f"{entry!r} of type "
-                                     f"{type(entry).__name__}{where}"))
+            raise PlanningTypeError(_message(value, f"{entry!r} of type "
+                                             f"{type(entry).__name__}{where}"))
     unique: list[Any] = []
     for policy in chosen:
         if (policy not in unique and policy is not save_policies.nothing_saveable
@@ -83,9 +87,9 @@ def expect_policies(value: Any, api: str) -> tuple[Any, ...]:
     return tuple(unique)
 
 
-def _message(api: str, value: Any, received: str) -> str:
+def _message(value: Any, received: str) -> str:
     return (
-        f"{api}: argument `policies` must be None, 'auto', or a list of save policies "
+        "argument `policies` must be None, 'auto', or a list of save policies "
         "(such as tf_checkpointing.policies.dots_saveable, or 'auto' for dots_saveable "
         f"and dots_with_no_batch_dims_saveable); received {value!r}: {received}. Pass "
         "e.g. policies='auto' or policies=['auto', tf_checkpointing.policies."

@@ -7,11 +7,13 @@ planning from a hang. So once a planning has run :data:`FIRST_AFTER` seconds,
 each measurement loop says where it is on stderr (at most every
 :data:`EVERY` seconds), a single long measurement (a whole step compiled for
 XLA) says when it starts, and the end says how long it took. A short planning
-prints nothing.
+prints nothing. Each line starts with the public function the user called, as
+the API layer set it (``planning._errors.worded``).
 
 Example:
+    >>> from tf_checkpointing.planning._errors import worded
     >>> from tf_checkpointing.planning.measuring import _progress
-    >>> with _progress.planning("plan_model", "`mlp`"):
+    >>> with worded("plan_model"), _progress.planning("`mlp`"):
     ...     for i in range(3):
     ...         _progress.step("measuring layer calls", i + 1, 3)   # quick: silent
 """
@@ -26,6 +28,8 @@ import time
 from collections.abc import Iterator
 from typing import Optional
 
+from tf_checkpointing.planning._errors import caller
+
 __all__ = ["planning", "stage", "step"]
 
 FIRST_AFTER = 5.0  # seconds of planning before the first line
@@ -34,7 +38,7 @@ EVERY = 10.0  # seconds between two lines
 
 @dataclasses.dataclass
 class _Report:
-    api: str
+    caller: str  # the public function called
     what: str
     started: float
     last: float = 0.0
@@ -42,7 +46,7 @@ class _Report:
     counts: dict = dataclasses.field(default_factory=dict)  # per stage, when not given
 
     def say(self, text: str) -> None:
-        print(f"{self.api}: planning {self.what}: {text} "
+        print(f"{self.caller}: planning {self.what}: {text} "
               f"({time.monotonic() - self.started:.0f} s)", file=sys.stderr, flush=True)
         self.told = True
 
@@ -52,14 +56,15 @@ _current: Optional[_Report] = None
 
 
 @contextlib.contextmanager
-def planning(api: str, what: str) -> Iterator[None]:
-    """The body is one planning of ``what`` for ``api``; a planning inside
-    another (a model's chain profile) is part of it."""
+def planning(what: str) -> Iterator[None]:
+    """The body is one planning of ``what`` for the public function called
+    (``planning._errors.caller``); a planning inside another (a model's chain
+    profile) is part of it."""
     global _current
     with _lock:
         outer = _current is not None
         if not outer:
-            _current = _Report(api, what, time.monotonic())
+            _current = _Report(caller(), what, time.monotonic())
     if outer:
         yield
         return

@@ -2,8 +2,9 @@
 
 Every API that plans for memory (``plan_sequential``, ``plan_model``,
 ``checkpoint_sequential``, ``CheckpointedSequential``, ``apply_checkpointing``)
-takes its budget through :func:`expect_budget`, so the type is one
-(:data:`Budget`) and the errors say the same thing, naming the caller.
+takes its budget through :func:`expect_budget`, once, where the user passes it,
+so the type is one (:data:`Budget`) and the errors say the same thing; the API
+called puts its name in front (``planning._errors.worded``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import numpy as np
 
 # _LEAST_BYTES: a smaller budget is a unit slip (MiB, GiB), not bytes.
 from tf_checkpointing.planning._constants import LEAST_BYTES as _LEAST_BYTES
+from tf_checkpointing.planning._errors import PlanningTypeError, PlanningValueError
 
 __all__ = ["Budget", "LEAST", "expect_budget"]
 
@@ -36,53 +38,63 @@ _BUDGET_ALTERNATIVES = {
 }
 
 
-def expect_budget(budget: Any, api: str) -> Budget:
+def expect_budget(budget: Any) -> Budget:
     """``budget=`` validated, for every API that takes one: bytes as an int, or
-    ``"min"`` (the least-memory plan). ``api`` is the public function the user
-    called, which the error names.
+    ``"min"`` (the least-memory plan).
+
+    Raises:
+        PlanningValueError, PlanningTypeError: what is wrong and the fix; the
+            API called names itself and the alternatives it takes (``worded``).
 
         >>> from tf_checkpointing.planning.plans._budget import expect_budget
-        >>> expect_budget(2**20, "plan_model"), expect_budget("min", "plan_model")
+        >>> expect_budget(2**20), expect_budget("min")
         (1048576, 'min')
     """
     if isinstance(budget, str):
         if budget == LEAST:
             return LEAST
-        raise ValueError(
-            f"{api}: argument `budget` must be a number of bytes or \"min\"; received "
+        raise PlanningValueError(
+            f"argument `budget` must be a number of bytes or \"min\"; received "
             f"budget={budget!r}. Pass e.g. budget=512 * 2**20 for 512 MiB, or "
             "budget=\"min\" for the least memory."
         )
     if isinstance(budget, bool) or not isinstance(budget, (int, float, np.integer,
                                                           np.floating)):
-        raise TypeError(
-            f"{api}: argument `budget` must be a number of bytes or \"min\"; received "
+        raise PlanningTypeError(
+            f"argument `budget` must be a number of bytes or \"min\"; received "
             f"{budget!r} of type {type(budget).__name__}. Pass e.g. budget=512 * 2**20 for "
             "512 MiB, or budget=\"min\" for the least memory."
         )
     if not (budget > 0 and math.isfinite(budget)):
-        raise ValueError(
-            f"{api}: argument `budget` must be a positive, finite number of bytes; "
-            f"received budget={budget!r}. Pass e.g. budget=512 * 2**20 for 512 MiB"
-            f"{_BUDGET_ALTERNATIVES.get(api, _LEAST)}."
-        )
+        raise PlanningValueError(
+            f"argument `budget` must be a positive, finite number of bytes; "
+            f"received budget={budget!r}. Pass e.g. budget=512 * 2**20 for 512 MiB",
+            fix=_alternatives)
     if budget < 1:
         # A fraction of plain (budget=0.5) would be truncated to 0 bytes and
         # fail only inside the first training step, naming budget=0.
-        planner = "plan_model(model, x" if api in _MODEL_APIS else "plan_sequential(layers, x"
-        raise ValueError(
-            f"{api}: argument `budget` is a number of bytes, not a fraction of the "
+        raise PlanningValueError(
+            f"argument `budget` is a number of bytes, not a fraction of the "
             f"plain step's peak; received budget={budget!r}. For a fraction of plain, "
-            f"read plain's peak from a plan: plan = {planner}, budget='min'); then "
-            f"budget=int({budget!r} * plan.plain_peak_bytes)."
-        )
+            "read plain's peak from a plan: plan = ",
+            fix=lambda api: f"{_planner(api)}, budget='min'); then "
+                            f"budget=int({budget!r} * plan.plain_peak_bytes).")
     if budget < _LEAST_BYTES:
         # No training step fits in a few bytes: budget=2.5 meant MiB or GiB, and
         # would fail only inside the first training step.
-        raise ValueError(
-            f"{api}: argument `budget` is a number of bytes; received budget={budget!r}, "
+        raise PlanningValueError(
+            f"argument `budget` is a number of bytes; received budget={budget!r}, "
             f"less than {_LEAST_BYTES} bytes, which no training step fits in. Pass "
             f"e.g. budget={budget!r} * 2**20 for {budget!r} MiB, or "
-            f"budget={budget!r} * 2**30 for GiB{_BUDGET_ALTERNATIVES.get(api, _LEAST)}."
-        )
+            f"budget={budget!r} * 2**30 for GiB", fix=_alternatives)
     return int(budget)
+
+
+def _alternatives(api: str) -> str:
+    """The end of a budget message: what else ``api`` accepts instead."""
+    return f"{_BUDGET_ALTERNATIVES.get(api, _LEAST)}."
+
+
+def _planner(api: str) -> str:
+    """How a plan of plain's peak is made, for a model or for a chain."""
+    return "plan_model(model, x" if api in _MODEL_APIS else "plan_sequential(layers, x"

@@ -319,10 +319,10 @@ class ModelPlan(Plan):
             >>> ModelPlan.from_regions(model, [["a", "b"]]).regions
             [['a', 'b']]
         """
-        graph = read_graph(model, _FROM_REGIONS)
-        names = tuple(call.name for call in graph.calls)
-        spans, chosen = spans_by_name(names, regions, policies, _FROM_REGIONS)
-        with worded(_FROM_REGIONS):
+        with worded(_FROM_REGIONS):  # a public function: it names itself
+            graph = read_graph(model)
+            names = tuple(call.name for call in graph.calls)
+            spans, chosen = spans_by_name(names, regions, policies)
             mode = expect_mode(mode)
         return cls(names=names, pieces=pieces_of_spans(0, len(names), spans, chosen),
                    mode=mode, call_kinds=graph.kinds())

@@ -32,6 +32,7 @@ from typing import Any, Optional
 import keras
 import tensorflow as tf
 
+from tf_checkpointing.planning._errors import PlanningValueError, caller
 from tf_checkpointing.planning.layer_graph._layer_graph import LayerGraph
 from tf_checkpointing.planning.plans._plan import ModelPlan, policy_name
 
@@ -80,7 +81,7 @@ def file_name(key: str) -> str:
     return f"plan-{key[:32]}.json"
 
 
-def read_plan(folder: Any, key: str, graph: LayerGraph, api: str) -> Optional[ModelPlan]:
+def read_plan(folder: Any, key: str, graph: LayerGraph) -> Optional[ModelPlan]:
     """The plan saved in ``folder`` for ``key``, or None (none saved, or a file
     that is not a plan of this graph: then with a warning)."""
     path = Path(folder) / file_name(key)
@@ -98,13 +99,13 @@ def read_plan(folder: Any, key: str, graph: LayerGraph, api: str) -> Optional[Mo
     except (OSError, ValueError, KeyError, TypeError, AttributeError,
             IndexError) as error:  # whatever the file holds: planned again
         warnings.warn(
-            f"{api}: argument `plan_cache`: the plan file {str(path)!r} cannot be used "
+            f"{caller()}: argument `plan_cache`: the plan file {str(path)!r} cannot be used "
             f"({error}); planning again and writing it anew.", UserWarning, stacklevel=5)
         return None
     return plan
 
 
-def write_plan(folder: Any, key: str, plan: ModelPlan, api: str) -> Optional[Path]:
+def write_plan(folder: Any, key: str, plan: ModelPlan) -> Optional[Path]:
     """Saves ``plan`` in ``folder`` for ``key`` (atomically: a reader never sees
     half a file); returns its path, or None, with a warning, where the folder
     cannot take it (training goes on with the plan, unsaved)."""
@@ -119,7 +120,7 @@ def write_plan(folder: Any, key: str, plan: ModelPlan, api: str) -> Optional[Pat
         os.replace(temporary, path)
     except OSError as error:
         warnings.warn(
-            f"{api}: argument `plan_cache`: the plan could not be saved in {str(folder)!r} "
+            f"{caller()}: argument `plan_cache`: the plan could not be saved in {str(folder)!r} "
             f"({error}); training goes on with it, and the next run plans again. Fix: pass "
             "a folder this process can write, e.g. plan_cache='plans/'.",
             UserWarning, stacklevel=5)
@@ -127,9 +128,10 @@ def write_plan(folder: Any, key: str, plan: ModelPlan, api: str) -> Optional[Pat
     return path
 
 
-def expect_folder(folder: Any, api: str) -> None:
+def expect_folder(folder: Any) -> None:
     """Refuses a ``plan_cache`` that cannot be a folder of plan files (an
-    existing file, a place where no folder can be made), naming the argument."""
+    existing file, a place where no folder can be made), naming the argument
+    (a ``PlanningValueError``: the API called names itself)."""
     path = Path(folder)
     problem = None
     if path.exists() and not path.is_dir():
@@ -143,7 +145,7 @@ def expect_folder(folder: Any, api: str) -> None:
             if not os.access(path, os.W_OK):
                 problem = "this process cannot write in it"
     if problem is not None:
-        raise ValueError(
-            f"{api}: argument `plan_cache` must be a folder this process can write plan "
+        raise PlanningValueError(
+            f"argument `plan_cache` must be a folder this process can write plan "
             f"files in; received plan_cache={str(folder)!r}, but {problem}. Fix: pass "
             "another folder (made if missing), e.g. plan_cache='plans/'.")

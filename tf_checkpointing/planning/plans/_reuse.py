@@ -28,6 +28,7 @@ import tensorflow as tf
 
 from tf_checkpointing.core._internals import record
 from tf_checkpointing.planning._cache import registered
+from tf_checkpointing.planning._errors import caller
 from tf_checkpointing.planning.measuring._allocator import unknown_dimensions
 
 __all__: list[str] = []
@@ -78,8 +79,7 @@ class PlansByShape(Generic[Plan]):
         (None, True)
     """
 
-    def __init__(self, api: str = "apply_checkpointing") -> None:
-        self.api = api
+    def __init__(self) -> None:
         self._made: dict[str, list[tuple[tuple, Plan]]] = {}
         self._warned: set[str] = set()  # modes told that an unknown batch runs a plan
         self._ahead: set[int] = set()  # ids of the plans plan_model made (adopt)
@@ -122,7 +122,7 @@ class PlansByShape(Generic[Plan]):
             known = ("every batch a known size (dataset.batch(n, drop_remainder=True))"
                      if batch else "that dimension a fixed size (pad to a fixed length)")
             warnings.warn(
-                f"{self.api}: this {mode} step has an input of unknown {what} (shapes "
+                f"{caller()}: this {mode} step has an input of unknown {what} (shapes "
                 f"{list(shapes)}), so no plan can be made for it; it runs the plan made "
                 f"for inputs of shapes {list(planned)}{other}, whose budget holds only for "
                 "inputs no larger. Fix: make the plan for the largest input first (a "
@@ -132,7 +132,7 @@ class PlansByShape(Generic[Plan]):
         return plan, False
 
     def _plan_ahead(self, mode: str) -> str:
-        if self.api != "apply_checkpointing":  # the layer takes no plan
+        if caller() != "apply_checkpointing":  # the layer takes no plan
             return ""
         return (f", or plan_model(model, x[:batch_size], budget=..., mode={mode!r}) "
                 "passed as plan=")

@@ -54,7 +54,7 @@ _profiles: collections.OrderedDict = registered(collections.OrderedDict())
 
 
 def cached_plan(layers: list[Any], inputs: Any, budget: Budget, kwargs: dict[str, Any],
-                routed: list[dict], *, api: str, runner: PlanRunner,
+                routed: list[dict], *, runner: PlanRunner,
                 mode: Union[Mode, str] = "auto",
                 policies: tuple[Any, ...] = (), input_grad: bool = True) -> SequentialPlan:
     """The plan for ``budget``, profiling the chain only the first time it is
@@ -83,14 +83,14 @@ def cached_plan(layers: list[Any], inputs: Any, budget: Budget, kwargs: dict[str
         # Identical layers on equal shapes (a transformer's blocks) share one graph
         # profile, which cuts planning time (see
         # docs/decisions/0012-identical-layers-share-a-profile.md).
-        with nothing_left(), _progress.planning(api, f"a chain of {len(layers)} layers"):
+        with nothing_left(), _progress.planning(f"a chain of {len(layers)} layers"):
             profile = profile_chain(calls, inputs, names=names, mode=mode,
                                     layer_keys=[layer_key(layer, kw) for layer, kw
                                                          in zip(layers, routed)],
                                     trainable=trainable)
             profile = chain_without_backward(profile, frozen)
             if mode is Mode.XLA:
-                profile = _anchored(profile, layers, inputs, runner, api, trainable)
+                profile = _anchored(profile, layers, inputs, runner, trainable)
         # The layers are kept alive with the entry, so their ids stay theirs.
         entry = _profiles[key] = (list(layers), profile, {}, {})
         if len(_profiles) > _CACHE_SIZE:
@@ -105,15 +105,14 @@ def cached_plan(layers: list[Any], inputs: Any, budget: Budget, kwargs: dict[str
                 layers, routed, concrete_inputs(inputs), policies, mode=mode))
     plans: dict[tuple, SequentialPlan] = entry[3]
     if (budget, policies) not in plans:
-        plans[budget, policies] = solve(entry[1], budget, api=api,
-                                        choices=choices.get(policies))
+        plans[budget, policies] = solve(entry[1], budget, choices=choices.get(policies))
     return plans[budget, policies]
 
 
 def _anchored(profile: ChainProfile, layers: list[Any], inputs: Any, runner: PlanRunner,
-              api: str, trainable: Optional[list[Any]] = None) -> ChainProfile:
+              trainable: Optional[list[Any]] = None) -> ChainProfile:
     """The XLA profile with its least plan compiled and measured (see ``_xla``)."""
-    least = solve(profile, "min", api=api)
+    least = solve(profile, "min")
     # Variables, not weights: a Dropout's SeedGenerator state is only among the
     # former, and the measured step advanced it (another mask in every later step).
     state = [v for layer in layers for v in getattr(layer, "non_trainable_variables", ())]

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple, Optional
 
 from tf_checkpointing.planning._constants import CHUNKS as _CHUNKS
 from tf_checkpointing.planning._constants import HEADROOM as _HEADROOM
-from tf_checkpointing.planning._errors import BudgetTooLow
+from tf_checkpointing.planning._errors import BudgetTooLow, caller
 from tf_checkpointing.planning.layer_graph._blocks import (
     BlockRef,
     block_layers,
@@ -67,16 +67,16 @@ __all__ = ["block_spans", "plan_graph"]
 # The constants are explained where they are defined (planning/_constants.py).
 
 
-def plan_graph(graph: LayerGraph, inputs: Any, budget: Budget, *, mode: str, api: str,
+def plan_graph(graph: LayerGraph, inputs: Any, budget: Budget, *, mode: str,
                runner: PlanRunner, policies: tuple[Any, ...] = ()) -> ModelPlan:
     """The plan for ``graph`` (profiled on ``inputs``) and a validated ``budget``,
     choosing among the (validated) save ``policies`` per region; an XLA plan is
     measured by running it with ``runner``. Every state the model owns is as it
     was before (see ``measuring._leave_no_trace``)."""
-    _expect_layer_calls(graph, api)
-    with nothing_left(), _progress.planning(api, f"`{graph.model.name}`"):
+    assert graph.calls, "the API checks that the model has layer calls"
+    with nothing_left(), _progress.planning(f"`{graph.model.name}`"):
         planning = _Planning.start(graph, inputs, None if budget == LEAST else int(budget),
-                                   mode=mode, api=api, runner=runner, policies=policies)
+                                   mode=mode, runner=runner, policies=policies)
         if planning.budget is None:
             return _least_plan(planning)
         return _budget_plan(planning, planning.budget)
@@ -100,7 +100,6 @@ class _Planning:
     inputs: Any
     budget: Optional[int]
     mode: str
-    api: str
     runner: PlanRunner
     policies: tuple[Any, ...]
     region_model: Any
@@ -118,13 +117,13 @@ class _Planning:
 
     @classmethod
     def start(cls, graph: LayerGraph, inputs: Any, budget: Optional[int], *, mode: str,
-              api: str, runner: PlanRunner, policies: tuple[Any, ...]) -> _Planning:
+              runner: PlanRunner, policies: tuple[Any, ...]) -> _Planning:
         """Profiles the model (once per model, inputs and mode: cached) and
         solves for its least plan."""
         mode = step_mode(mode)
         if mode == "eager":  # a policy keeps nothing in eager mode: no choice
             policies = ()
-            warn_eager_frozen(graph, api)
+            warn_eager_frozen(graph)
         else:
             policies = with_reductions(policies)
         inner = inner_block_choices(graph)
@@ -141,8 +140,8 @@ class _Planning:
         nested = nested_options(region_model)
         least = solve(region_model, None, nested=nested)
         assert least is not None  # every call alone, checkpointed or not, is a plan
-        planning = cls(graph=graph, inputs=inputs, budget=budget, mode=mode, api=api,
-                       runner=runner, policies=policies, region_model=region_model,
+        planning = cls(graph=graph, inputs=inputs, budget=budget, mode=mode, runner=runner,
+                       policies=policies, region_model=region_model,
                        nested=nested, least=least, key=profile_key(graph, inputs, measured),
                        anchor=None, chunks=_CHUNKS if mode == "graph" else 1.0, inner=inner,
                        plain_peak=profile.plain_peak_bytes,
@@ -310,7 +309,7 @@ def _warn_nothing_to_save(planning: _Planning) -> None:
         where = (f"Its {len(graph.calls)} layer calls each keep about what their inputs "
                  "take, so a checkpoint, which keeps its inputs, saves nothing here")
     warnings.warn(
-        f"{planning.api}: budget='min' found no plan of `{graph.model.name}` below the plain "
+        f"{caller()}: budget='min' found no plan of `{graph.model.name}` below the plain "
         f"step's peak in {planning.mode} steps, so the model runs plainly. {where}.",
         UserWarning, stacklevel=2)
 
@@ -390,19 +389,3 @@ def with_reductions(policies: tuple[Any, ...]) -> tuple[Any, ...]:
     LayerNorm's), which cost almost no memory and spare the replay the passes
     that made them (see docs/decisions/0022-reductions-saveable-per-region.md)."""
     return (reductions_saveable,) + tuple(p for p in policies if p is not reductions_saveable)
-
-
-def _expect_layer_calls(graph: LayerGraph, api: str) -> None:
-    """Raises if ``graph`` has no layer call: a model that returns its inputs
-    (``keras.Model(i, i)``) has no region to checkpoint, and the profile of an
-    empty chain has nothing to measure (it used to fail with an IndexError).
-    Checked before any profiling, so the message comes first and at once."""
-    if graph.calls:
-        return
-    raise ValueError(
-        f"{api}: `{graph.model.name}` has no layer calls between its inputs and its "
-        "outputs (e.g. keras.Model(inputs, inputs) returns its inputs), so there is "
-        "nothing to checkpoint; received a model with 0 layer calls. Train "
-        "it without apply_checkpointing / plan_model, or pass a model that calls "
-        "layers on its inputs."
-    )

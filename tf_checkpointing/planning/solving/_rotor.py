@@ -33,6 +33,7 @@ import numpy as np
 from tf_checkpointing.planning._constants import HEADROOM as _HEADROOM
 from tf_checkpointing.planning._constants import ROTOR_MAX_UNITS as _MAX_UNITS
 from tf_checkpointing.planning._constants import ROTOR_MIN_UNITS, ROTOR_TABLE_CELLS
+from tf_checkpointing.planning._errors import BudgetTooLow
 from tf_checkpointing.planning.measuring._choices import PolicyChoices
 from tf_checkpointing.planning.measuring._layer_profile import ChainProfile
 from tf_checkpointing.planning.plans._plan import Segment, SequentialPlan
@@ -44,10 +45,14 @@ __all__ = ["solve"]
 # docs/decisions/0010-rotor-discretisation.md); _HEADROOM: see docs/decisions/0009-headroom.md.
 
 
-def solve(profile: ChainProfile, budget: Union[int, str], *, api: str = "plan_sequential",
+def solve(profile: ChainProfile, budget: Union[int, str], *,
           choices: Optional[PolicyChoices] = None) -> SequentialPlan:
     """The plan with least recomputation for ``budget``, from a profile (and, with
-    ``choices``, the save policies each layer may run with)."""
+    ``choices``, the save policies each layer may run with).
+
+    Raises:
+        BudgetTooLow: ``budget`` is below the least any schedule needs (the API
+            called names itself, see ``planning._errors``)."""
     chain = fitted_chain(profile, choices)
     n = chain.n
     plain = (Segment(0, n, False),)
@@ -78,14 +83,14 @@ def solve(profile: ChainProfile, budget: Union[int, str], *, api: str = "plan_se
     if budget >= plain_peak:
         return plan
     if budget < min_budget:
-        raise ValueError(
-            f"{api}: argument `budget` is below the least memory any checkpointing "
+        raise BudgetTooLow(
+            "argument `budget` is below the least memory any checkpointing "
             f"schedule of these {n} layers needs (its least peak, plus "
             f"{_HEADROOM:.0%} for the allocator): expected at least {min_budget} bytes "
             f"({min_budget / 2**20:.2f} MiB), received budget={budget} "
             f"({budget / 2**20:.2f} MiB). Raise the budget to at least {min_budget}, or "
-            "make the step smaller (a smaller batch, or split the largest layer)."
-        )
+            "make the step smaller (a smaller batch, or split the largest layer).",
+            budget=budget, least=min_budget)
     usable = budget * (1 - _HEADROOM)
     if anchor is not None:
         usable = anchor.model_limit(usable)
