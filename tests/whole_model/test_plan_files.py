@@ -205,13 +205,13 @@ def test_plan_cache_replans_over_valid_json_that_is_not_a_plan(tmp_path, content
     name, key, graph = cached_plan
     (tmp_path / name).write_text(content)
     with pytest.warns(UserWarning, match=r"plan_cache.*cannot be used.*planning again"):
-        assert read_plan(tmp_path, key, graph, "apply_checkpointing") is None
+        assert read_plan(tmp_path, key, graph) is None
     # The same file with the plan in it is read: what refused the others is its content.
     (tmp_path / name).write_text(json.dumps(
         {"key": key, "plan": tc.ModelPlan.from_regions(graph.model, [["stem"]]).to_config()}))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert read_plan(tmp_path, key, graph, "apply_checkpointing").regions == [["stem"]]
+        assert read_plan(tmp_path, key, graph).regions == [["stem"]]
 
 
 def test_plan_cache_that_cannot_be_a_folder_is_refused_when_given(tmp_path):
