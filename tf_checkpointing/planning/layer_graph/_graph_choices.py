@@ -57,8 +57,7 @@ def graph_choices(graph: LayerGraph, inputs: Any, policies: tuple[Any, ...],
     as a ``mode`` step (graph or XLA).
     Runs in a thread of its own (no tape of the caller records it); the state the
     calls change (BatchNorm statistics, dropout seeds) is put back."""
-    return in_fresh_thread(_measure, graph, inputs, policies, same_as,
-                           Mode(mode) is Mode.XLA)
+    return in_fresh_thread(_measure, graph, inputs, policies, same_as, Mode(mode))
 
 
 def policy_arrays(choices: PolicyChoices, kept: np.ndarray,
@@ -78,7 +77,7 @@ def policy_arrays(choices: PolicyChoices, kept: np.ndarray,
 
 
 def _measure(graph: LayerGraph, inputs: Any, policies: tuple[Any, ...], same_as: list[int],
-             xla: bool) -> PolicyChoices:
+             mode: Mode) -> PolicyChoices:
     state = list(graph.model.non_trainable_variables)
     saved = [v.numpy() for v in state]
     try:
@@ -97,7 +96,7 @@ def _measure(graph: LayerGraph, inputs: Any, policies: tuple[Any, ...], same_as:
         calls = [functools.partial(_run, call) for call in graph.calls]
         variables = [list(getattr(call.layer, "trainable_variables", ()))
                      for call in graph.calls]
-        return measure_calls(calls, arguments, variables, same_as, policies, xla=xla,
+        return measure_calls(calls, arguments, variables, same_as, policies, mode=mode,
                              repeats=_REPEATS, time_all=False, max_rounds=_MAX_ROUNDS,
                              families=[_family(call, i) for i, call in enumerate(graph.calls)],
                              family_samples=_FAMILY_SAMPLES)

@@ -137,7 +137,7 @@ def measure_choices(layers: Sequence[Any], routed: Sequence[dict], inputs: Any,
         same_as = [first.setdefault(key, i) for i, key in enumerate(keys)]
         calls = [functools.partial(_call_layer, layer, kw) for layer, kw in zip(layers, routed)]
         variables = [list(getattr(layer, "trainable_variables", ())) for layer in layers]
-        return measure_calls(calls, xs, variables, same_as, policies, xla=mode is Mode.XLA,
+        return measure_calls(calls, xs, variables, same_as, policies, mode=Mode(mode),
                              repeats=repeats)
     finally:
         for variable, value in zip(state, before):
@@ -146,7 +146,7 @@ def measure_choices(layers: Sequence[Any], routed: Sequence[dict], inputs: Any,
 
 def measure_calls(calls: Sequence[Callable[[Any], Any]], inputs: Sequence[Any],
                   variables: Sequence[list], same_as: Sequence[int],
-                  policies: tuple[Any, ...], *, xla: bool = False, repeats: int = 7,
+                  policies: tuple[Any, ...], *, mode: Mode = Mode.GRAPH, repeats: int = 7,
                   time_all: bool = True, max_rounds: Optional[int] = None,
                   families: Optional[Sequence[Any]] = None,
                   family_samples: int = 0) -> PolicyChoices:
@@ -186,7 +186,7 @@ def measure_calls(calls: Sequence[Callable[[Any], Any]], inputs: Sequence[Any],
             if sampled_down and families[i] in sampled_down:
                 rounds = repeats * 4
             rounds = rounds if max_rounds is None else min(rounds, max_rounds)
-            measured[i] = _timed(calls[i], inputs[i], list(variables[i]), policies, xla,
+            measured[i] = _timed(calls[i], inputs[i], list(variables[i]), policies, mode,
                                  rounds, time_all, listed[i])
     for i in to_time:
         if i not in sampled:
@@ -230,14 +230,14 @@ def _kept_by_policies(fn: Callable[[Any], Any], x: Any, policies: tuple[Any, ...
 
 
 def _timed(fn: Callable[[Any], Any], x: Any, variables: list[Any],
-           policies: tuple[Any, ...], xla: bool, repeats: int, time_all: bool,
+           policies: tuple[Any, ...], mode: Mode, repeats: int, time_all: bool,
            listed: tuple[np.ndarray, list[int], np.ndarray],
            ) -> tuple[np.ndarray, np.ndarray, float, np.ndarray]:
     fraction, kept_by, extra_bytes = listed
     steps: dict[Any, Callable[[Any], Any]] = {"plain": fn, "replay": checkpointed(fn)}
     if time_all:
         steps.update({k: checkpointed(fn, policy=p) for k, p in enumerate(policies)})
-        extra = step_extra_seconds(steps, x, variables, xla, repeats)
+        extra = step_extra_seconds(steps, x, variables, mode, repeats)
         return (fraction, np.array([extra[k] for k in range(len(policies))]),
                 extra["replay"], extra_bytes)
     # Only the policies that keep something, and one of those keeping the same
@@ -245,7 +245,7 @@ def _timed(fn: Callable[[Any], Any], x: Any, variables: list[Any],
     # timed; the others are full replays.
     timed = {kept_by[k]: k for k in reversed(range(len(policies))) if extra_bytes[k] > 0}
     steps.update({k: checkpointed(fn, policy=policies[k]) for k in timed.values()})
-    extra = step_extra_seconds(steps, x, variables, xla, repeats)
+    extra = step_extra_seconds(steps, x, variables, mode, repeats)
     seconds = np.array([extra[timed[kept_by[k]]] if extra_bytes[k] > 0 else extra["replay"]
                         for k in range(len(policies))])
     return fraction, seconds, extra["replay"], extra_bytes
@@ -295,7 +295,7 @@ def _call_layer(layer: Any, kw: dict, x: Any) -> Any:
 
 
 def step_extra_seconds(calls: dict[Any, Callable[[Any], Any]], x: Any, variables: list[Any],
-                   xla: bool, repeats: int, reference: Any = "plain") -> dict[Any, float]:
+                   mode: Mode, repeats: int, reference: Any = "plain") -> dict[Any, float]:
     """Per call, the median over rounds of its step time minus the plain step's
     (``calls[reference]``) in
     the same round (each round runs every call once, in a rotating order): a
@@ -318,7 +318,7 @@ def step_extra_seconds(calls: dict[Any, Callable[[Any], Any]], x: Any, variables
             watched = [v for v in tape.watched_variables() if id(v) in wanted]
             return tape.gradient(loss, sources + watched)
 
-        return planning_function(step, jit_compile=xla or None)
+        return planning_function(step, jit_compile=(mode is Mode.XLA) or None)
 
     steps = {name: step_of(call) for name, call in calls.items()}
     for step in steps.values():
