@@ -66,36 +66,56 @@ def test_regions_over_frozen_layers_equal_plain(mode):
     assert counts[1] and counts[2] and counts[3], counts
 
 
+# One process for the two measured tests of this model: the plain step, then the
+# same model with a hand-made region over frozen and trainable layers, then a fresh
+# model planned halfway and run right after its plan is made.
 FROZEN = STEP + """
-from helpers import partly_frozen
+from helpers import partly_frozen, plan_of
 
 x = tf.random.normal([16, 32, 32, 3])
 
-def measured(plan):
+def peaks(model):
+    step = make_step(model)
+    step(x)
+    return sorted(tc.debug.measure(lambda: step(x).numpy()).peak_bytes for _ in range(3))
+
+def made():
     keras.utils.set_random_seed(0)
     model = partly_frozen(frozen_blocks=4, blocks=6, width=64, image=32)
     model(x)
-    if plan == "plan":
-        least = tc.plan_model(model, x, budget="min", mode="graph")
-        half = (least.min_budget_bytes + least.plain_peak_bytes) // 2
-        plan = tc.plan_model(model, x, budget=half, mode="graph")
-        tc.apply_checkpointing(model, plan=plan)
-    step = make_step(model)
-    step(x)
-    return sorted(tc.debug.measure(lambda: step(x).numpy()).peak_bytes for _ in range(3)), plan
+    return model
 
-plain, _ = measured(None)
-peaks, plan = measured("plan")
-print("RESULT", json.dumps({"plain": plain[1], "planned_plain": plan.plain_peak_bytes,
-                            "budget": plan.budget_bytes, "largest": peaks[-1],
-                            "predicted": plan.predicted_peak_bytes, "median": peaks[1],
+model = made()
+plain = peaks(model)
+# One region from the input over the stem and the four frozen blocks (calls 0-20)
+# into the first trainable block's Conv-BN-ReLU-Dropout (21-24).
+names = tuple(layer.name for layer in model.layers[1:])
+tc.apply_checkpointing(model, plan=plan_of(names, ((0, 25, ()),)))
+region = peaks(model)
+
+model = made()
+least = tc.plan_model(model, x, budget="min", mode="graph")
+half = (least.min_budget_bytes + least.plain_peak_bytes) // 2
+plan = tc.plan_model(model, x, budget=half, mode="graph")
+tc.apply_checkpointing(model, plan=plan)
+planned = peaks(model)
+print("RESULT", json.dumps({"plain": plain[1], "region": region[1],
+                            "planned_plain": plan.plain_peak_bytes,
+                            "budget": plan.budget_bytes, "largest": planned[-1],
+                            "predicted": plan.predicted_peak_bytes, "median": planned[1],
                             "regions": len(plan.regions)}))
 """
 
 
+@pytest.fixture(scope="module")
+def frozen_run():
+    """What the FROZEN script measured, in a fresh process."""
+    return json.loads(run_script(FROZEN).split("RESULT", 1)[1])
+
+
 @pytest.mark.slow
-def test_a_frozen_backbone_is_planned_as_the_step_runs():
-    r = json.loads(run_script(FROZEN).split("RESULT", 1)[1])
+def test_a_frozen_backbone_is_planned_as_the_step_runs(frozen_run):
+    r = {k: v for k, v in frozen_run.items() if k != "region"}
     message = json.dumps({k: round(v / 2**20, 2) if k != "regions" else v
                           for k, v in r.items()})
     # Before: the frozen blocks' tensors were counted as kept, and the plain step
@@ -115,36 +135,15 @@ def test_a_frozen_backbone_is_planned_as_the_step_runs():
     assert -0.15 <= r["predicted"] / r["median"] - 1 <= 0.35, message
 
 
-MIXED_REGION = STEP + """
-from helpers import partly_frozen, plan_of
-
-x = tf.random.normal([16, 32, 32, 3])
-keras.utils.set_random_seed(0)
-model = partly_frozen(frozen_blocks=4, blocks=6, width=64, image=32)
-model(x)
-step = make_step(model)
-step(x)
-plain = sorted(tc.debug.measure(lambda: step(x).numpy()).peak_bytes for _ in range(3))
-# One region from the input over the stem and the four frozen blocks (calls 0-20)
-# into the first trainable block's Conv-BN-ReLU-Dropout (21-24).
-names = tuple(layer.name for layer in model.layers[1:])
-tc.apply_checkpointing(model, plan=plan_of(names, ((0, 25, ()),)))
-step = make_step(model)
-step(x)
-region = sorted(tc.debug.measure(lambda: step(x).numpy()).peak_bytes for _ in range(3))
-print("RESULT", json.dumps({"plain": plain[1], "region": region[1]}))
-"""
-
-
 @pytest.mark.slow
-def test_a_region_over_frozen_and_trainable_layers_runs_no_frozen_backward():
+def test_a_region_over_frozen_and_trainable_layers_runs_no_frozen_backward(frozen_run):
     # The replay differentiates every variable its layers read (a frozen layer's
     # kernel is still trainable to TensorFlow) and the model input; the outer
     # backward asks only for the trainable layers' gradients. The variable
     # gradients used to wait for every gradient the replay computed, which ran the
     # frozen layers' backward too and kept their activations: 78-88 MiB against
     # 37-43 plain. They now wait for the replay's reads of variables: 29-36 MiB.
-    r = json.loads(run_script(MIXED_REGION).split("RESULT", 1)[1])
+    r = {k: frozen_run[k] for k in ("plain", "region")}
     assert r["region"] < r["plain"], {k: v / 2**20 for k, v in r.items()}
 
 

@@ -192,8 +192,8 @@ def test_a_plan_with_policies_keeps_its_budget(request, monkeypatch):
     # (see test_the_planner_replays_under_a_policy_where_it_saves_time).
     monkeypatch.setattr(_choices, "step_extra_seconds", _fixed_step_times)
     keras.utils.set_random_seed(0)
-    model = dense_heavy(width=256, blocks=4)
-    x = tf.random.stateless_normal([1024, 256], [0, 4])
+    model = dense_heavy(width=128, blocks=4)
+    x = tf.random.stateless_normal([1024, 128], [0, 4])
     model(x)
 
     least = tc.plan_model(model, x, budget="min", mode="graph", policies="auto")
