@@ -122,8 +122,9 @@ def test_a_frozen_backbone_is_planned_as_the_step_runs(frozen_run):
     # was measured with its input watched: 99.6 MiB against 43 measured, the
     # prediction 57 against 34. (The plain step's peak itself moves by 37-43 MiB
     # between processes, the planner's reading of it by 42-45, and the graph
-    # step's 1.1x chunk factor reads high on this model: 1.0-1.23x in four runs.)
-    assert -0.10 <= r["planned_plain"] / r["plain"] - 1 <= 0.30, message
+    # step's 1.1x chunk factor reads high on this model: 1.0-1.23x in four runs;
+    # one run in ten read 0.89x, 42.0 against 47.0 MiB.)
+    assert -0.15 <= r["planned_plain"] / r["plain"] - 1 <= 0.30, message
     assert r["regions"] > 0 and r["largest"] <= 1.05 * r["budget"], message
     # Below the peak is what breaks a budget: at most 15% there. Above it, up to
     # 35%: the model counts a replayed BatchNorm's backward temporaries all alive
