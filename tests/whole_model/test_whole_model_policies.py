@@ -102,7 +102,9 @@ def test_the_planner_replays_under_a_policy_where_it_saves_time(monkeypatch, req
     least = tc.plan_model(model, x, budget="min", mode="graph", policies="auto")
     assert least.policies == (REDUCTIONS, DOTS, NO_BATCH)
     chose = False
-    for fraction in (0.2, 0.4, 0.6, 0.8):
+    # Nine budgets: which ones a policy pays at moves with the bytes measured (one
+    # full-suite run chose none at 0.2, 0.4, 0.6 and 0.8; alone it chose some).
+    for fraction in np.linspace(0.1, 0.9, 9):
         budget = int(least.min_budget_bytes + fraction * (
             least.plain_peak_bytes - least.min_budget_bytes))
         without = tc.plan_model(model, x, budget=budget, mode="graph")
