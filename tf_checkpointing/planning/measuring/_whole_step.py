@@ -152,14 +152,6 @@ def _step_peak(run: Callable[[], Any], device: str, jit_compile: bool) -> int:
     return median(peaks)
 
 
-def step_seconds(run: Callable[[], Any], runs: int = _TIMED_STEPS) -> float:
-    """The least time of ``runs`` warm runs of ``run()`` (each waiting for its
-    result): the least is the step's time with the least interference from
-    whatever else the machine runs."""
-    (best,) = interleaved_seconds([run], runs)
-    return best
-
-
 def interleaved_seconds(runs: Sequence[Callable[[], Any]],
                         rounds: int = _TIMED_STEPS) -> list[float]:
     """The least time of each of ``runs`` (warm, each waiting for its result)

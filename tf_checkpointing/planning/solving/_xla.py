@@ -163,14 +163,14 @@ class XlaAnchor:
 def measure_xla_step(run: Callable[[Any], Any], inputs: Any,
                      variables: Sequence[Any] = (),
                      trainable: Optional[Sequence[Any]] = None,
-                     jit: Optional[bool] = True, timed: bool = False) -> StepReading:
-    """Peak (and, ``timed``, time) of ``run``'s forward and backward as one
+                     jit: Optional[bool] = True) -> StepReading:
+    """Peak of ``run``'s forward and backward as one
     ``tf.function`` compiled with ``jit_compile=jit`` (each gradient consumed at
     once, as an optimizer in the step does), or run eagerly (``jit=None``: the
     gradients held until an optimizer would apply them), on ``inputs`` in a
     thread of its own; the state it writes (BatchNorm statistics, seeds) and
-    ``variables`` are put back. An eager step is not timed."""
-    (reading,) = measure_xla_steps([run], inputs, variables, trainable, jit, timed)
+    ``variables`` are put back."""
+    (reading,) = measure_xla_steps([run], inputs, variables, trainable, jit)
     return reading
 
 
@@ -178,8 +178,9 @@ def measure_xla_steps(runs: Sequence[Callable[[Any], Any]], inputs: Any,
                       variables: Sequence[Any] = (),
                       trainable: Optional[Sequence[Any]] = None,
                       jit: Optional[bool] = True, timed: bool = False) -> list[StepReading]:
-    """:func:`measure_xla_step` of each of ``runs``, in one thread, timed (under
-    ``timed``) in alternation (see ``_whole_step.graph_steps``)."""
+    """:func:`measure_xla_step` of each of ``runs``, in one thread, and under
+    ``timed`` their times, taken in alternation (see ``_whole_step.graph_steps``;
+    an eager step is not timed)."""
 
     def measure() -> list[StepReading]:
         x = concrete_inputs(inputs)
