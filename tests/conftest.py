@@ -46,6 +46,26 @@ def mixed_float16():
     keras.config.set_dtype_policy(previous)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _imports_out_of_the_collectors_way():
+    """TensorFlow, Keras and the library imported once, and the objects they made
+    moved out of the garbage collector's generations (``gc.freeze``): planning
+    collects garbage and lists the live variables once per plan (to leave no
+    trace), and in a suite of hundreds of plans each pass went over the ~350k
+    objects of the imports again. A test process only; the library never
+    touches the collector's settings."""
+    import gc
+
+    import keras  # noqa: F401
+    import tensorflow  # noqa: F401
+
+    import tf_checkpointing  # noqa: F401
+
+    gc.collect()
+    gc.freeze()
+    yield
+
+
 @pytest.fixture(autouse=True)
 def _forget_planned_chains():
     """The planner caches profiles with their layers; dropping them after each test

@@ -145,8 +145,11 @@ def ran_in_fresh_process(request) -> bool:
     if os.environ.get("TF_CHECKPOINTING_FRESH_TEST") == request.node.nodeid:
         return False
     env = dict(os.environ, TF_CHECKPOINTING_FRESH_TEST=request.node.nodeid)
+    # -n 0: this one test, in that process; without the plugins it needs not (their
+    # imports took ~0.5 s of each such process)
     command = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
-               request.node.nodeid]  # -n 0: this one test, in that process
+               "-p", "no:hypothesispytest", "-p", "no:anyio", "-p", "no:benchmark",
+               request.node.nodeid]
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]

@@ -28,6 +28,8 @@ from tf_checkpointing.core._internals import control_flow_util, op_callbacks
 __all__ = ["after_gradient", "after_replay", "filters_after_gradient", "fresh_copies",
            "variable_reads", "weight_gradients_first"]
 
+_raw = tf.raw_ops
+
 # Backward kernels that read a forward activation and the incoming gradient (the
 # weight gradient of a convolution, either product of a matrix multiplication),
 # and those that read the incoming gradient and a weight (the input gradient).
@@ -84,9 +86,9 @@ def after_replay(variable_grads: Sequence[Any], all_grads: Sequence[Any],
 
     def ordered(grad: Any) -> Any:
         if isinstance(grad, tf.IndexedSlices):
-            values = grad.values + tf.cast(zero, grad.values.dtype)
+            values = _plus_zero(grad.values, zero)
             return tf.IndexedSlices(values, grad.indices, grad.dense_shape)
-        return None if grad is None else grad + tf.cast(zero, grad.dtype)
+        return None if grad is None else _plus_zero(grad, zero)
 
     return [ordered(grad) for grad in variable_grads]
 
@@ -97,8 +99,13 @@ def _elements(values: Sequence[tf.Tensor], zero: tf.Tensor) -> list[tf.Tensor]:
     (where a function's gradient would keep it). A slice whose start is that
     index let XLA merge the replay into the forward; a gather does not."""
     index = tf.cast(zero, tf.int32)[None]
-    return [tf.gather(tf.reshape(value, [-1]), index) for value in values
-            if value.shape.num_elements() != 0]
+    flat, axis = tf.constant([-1]), tf.constant(0)
+    # Raw ops, with constants shared: a replay can read hundreds of values, and
+    # the public functions' dispatch made these probes a large part of tracing a
+    # checkpointed step.
+    return [_raw.GatherV2(params=_raw.Reshape(tensor=value, shape=flat),
+                           indices=index, axis=axis)
+            for value in values if value.shape.num_elements() != 0]
 
 
 def variable_reads(graph: Any, forward: tuple[int, int], backward_end: int) -> list[tf.Tensor]:
@@ -139,7 +146,7 @@ def fresh_copies(inputs: list[tf.Tensor], output_grads: Sequence[Any]) -> list[t
     zero = _opaque_zero(grads)
     # A TensorArray's flow (a variant) cannot be added to: it is copied, and the
     # other inputs carry the dependency on the gradient.
-    return [tf.identity(x) if x.dtype == tf.variant else x + tf.cast(zero, x.dtype)
+    return [tf.identity(x) if x.dtype == tf.variant else _plus_zero(x, zero)
             for x in inputs]
 
 
@@ -217,18 +224,31 @@ def _incoming(output_grads: Sequence[Any]) -> list[Any]:
     return [g for g in output_grads if g is not None and g.dtype != tf.variant]
 
 
+def _plus_zero(x: tf.Tensor, zero: tf.Tensor) -> tf.Tensor:
+    """``x + zero`` (the same value, made after ``zero``) as one raw op: added to
+    every input and weight gradient of a replay (see _elements)."""
+    return _raw.AddV2(x=x, y=zero if x.dtype == tf.float32 else tf.cast(zero, x.dtype))
+
+
 def _opaque_zero(grads: Sequence[Any]) -> tf.Tensor:
     """A float32 zero that depends by data on one element of each gradient:
     always zero (a bool equals itself), but neither Grappler nor XLA can prove
     it. Complex gradients are probed through their real part, IndexedSlices
     through their values (never densified)."""
+    flat, begin, end, stride = (tf.constant(v) for v in ([-1], [0], [1], [1]))
     probes = []
-    for grad in grads:
+    for grad in grads:  # raw ops, constants shared (see _elements)
         values = grad.values if isinstance(grad, tf.IndexedSlices) else grad
-        first = tf.reshape(values, [-1])[:1]
+        if values.shape.rank == 1 and values.shape[0] == 1:
+            first = values  # one element already (from _elements)
+        else:
+            first = _raw.StridedSlice(input=_raw.Reshape(tensor=values, shape=flat),
+                                      begin=begin, end=end, strides=stride)
         if first.dtype.is_complex:
             first = tf.math.real(first)
-        probes.append(tf.cast(first, tf.float32))
+        if first.dtype != tf.float32:
+            first = _raw.Cast(x=first, DstT=tf.float32)
+        probes.append(first)
     as_bool = tf.cast(tf.reduce_max(tf.concat(probes, 0)), tf.bool)
     return tf.where(tf.equal(as_bool, as_bool), 0.0, float("nan"))
 
