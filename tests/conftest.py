@@ -46,24 +46,29 @@ def mixed_float16():
     keras.config.set_dtype_policy(previous)
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _imports_out_of_the_collectors_way():
-    """TensorFlow, Keras and the library imported once, and the objects they made
-    moved out of the garbage collector's generations (``gc.freeze``): planning
-    collects garbage and lists the live variables once per plan (to leave no
-    trace), and in a suite of hundreds of plans each pass went over the ~350k
-    objects of the imports again. A test process only; the library never
-    touches the collector's settings."""
+def pytest_sessionstart(session):
+    """In a process that runs tests (an xdist worker, or a run with ``-n 0``):
+    TensorFlow, Keras and the library imported, and the objects they made moved
+    out of the garbage collector's generations (``gc.freeze``). Planning collects
+    garbage and lists the live variables once per plan (to leave no trace), and
+    in a suite of hundreds of plans each pass went over the ~350k objects of the
+    imports again. Before collection: a variable a test module makes when it is
+    imported must stay visible to planning. A test process only; the library
+    never touches the collector's settings."""
     import gc
 
+    if not os.environ.get("PYTEST_XDIST_WORKER") and getattr(
+            session.config.option, "numprocesses", None):
+        return  # xdist's controller: it runs no test
     import keras  # noqa: F401
     import tensorflow  # noqa: F401
 
     import tf_checkpointing  # noqa: F401
+    from tf_checkpointing.planning.measuring._leave_no_trace import live_variables
 
     gc.collect()
+    assert not live_variables(), "a variable made at import would be hidden from planning"
     gc.freeze()
-    yield
 
 
 @pytest.fixture(autouse=True)
