@@ -15,6 +15,13 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 # than every activation of the suite's small models (docs/measuring-memory.md, "oneDNN:
 # a convolution's backward scratch").
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
+# XLA:CPU without LLVM's expensive optimization passes: the suite compiles hundreds of
+# small XLA programs, and compiling is most of their time. Buffer assignment, which
+# sets an XLA step's peak, is done on the HLO before LLVM runs, so the memory tests
+# read the same bytes; only the programs' speed differs (examples run without it).
+if "xla_llvm_disable_expensive_passes" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = " ".join(
+        [os.environ.get("XLA_FLAGS", ""), "--xla_llvm_disable_expensive_passes=true"]).strip()
 
 import pytest  # noqa: E402
 

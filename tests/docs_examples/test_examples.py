@@ -14,7 +14,7 @@ EXAMPLES = ["gpt2_fit.py", "distributed_loop.py", "resnet50_budget.py"]
 
 def _run_example(name, timeout=600):
     env = {k: v for k, v in os.environ.items()
-           if k not in ("TF_CPU_ALLOCATOR_USE_BFC", "TF_CPP_MIN_LOG_LEVEL")}
+           if k not in ("TF_CPU_ALLOCATOR_USE_BFC", "TF_CPP_MIN_LOG_LEVEL", "XLA_FLAGS")}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     done = subprocess.run([sys.executable, str(REPO / "examples" / name), "--tiny"], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=timeout)
