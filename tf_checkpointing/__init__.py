@@ -24,6 +24,8 @@ import sys
 import warnings
 from typing import Any
 
+__version__ = "0.1.0"  # the one place it is written (pyproject.toml reads it)
+
 from tf_checkpointing import _cpu_statistics
 
 _cpu_statistics.arrange()  # before TensorFlow creates its devices
@@ -45,7 +47,6 @@ from tf_checkpointing._keras import apply_checkpointing
 from tf_checkpointing._remat_scope import RematScope
 from tf_checkpointing._sequential import checkpoint_sequential
 from tf_checkpointing._sequential_layer import CheckpointedSequential
-from tf_checkpointing._version import __version__ as __version__
 from tf_checkpointing._whole_model import plan_model
 from tf_checkpointing.core._errors import ReplayMismatchError
 from tf_checkpointing.core._flags import is_checkpointing, is_recomputing

@@ -64,8 +64,6 @@ def test_advice_names_the_variable_and_the_import():
 def test_version_has_one_source():
     from importlib.metadata import version
 
-    from tf_checkpointing._version import __version__
-
-    assert tf_checkpointing.__version__ == __version__
-    assert version("tf_checkpointing") == __version__  # pyproject reads _version.py
+    assert version("tf_checkpointing") == tf_checkpointing.__version__  # pyproject reads it
+    assert 'attr = "tf_checkpointing.__version__"' in (REPO / "pyproject.toml").read_text()
     assert 'dynamic = ["version"]' in (REPO / "pyproject.toml").read_text()
