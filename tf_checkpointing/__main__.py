@@ -23,8 +23,8 @@ def report() -> str:
     import keras
     import tensorflow as tf
 
-    from tf_checkpointing._quiet import start_up_noise_hidden
     from tf_checkpointing import __version__
+    from tf_checkpointing._quiet import start_up_noise_hidden
     from tf_checkpointing.core import _memory
 
     lines = [
