@@ -24,7 +24,7 @@ from conftest import compile_step
 from helpers import REPO, assert_all_close
 
 from tf_checkpointing import checkpointable
-from tf_checkpointing.core._ordering import weight_gradients_first
+from tf_checkpointing.core._weight_gradients import weight_gradients_first
 
 
 def _stage(conv):

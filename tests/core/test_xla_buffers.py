@@ -50,7 +50,7 @@ def test_xla_keeps_each_replay_apart_from_the_forward(compiled):
     assert our_dots >= plain_dots + DEPTH - 1, found
     # TensorFlow 2.16's XLA ran the last layers' bias gradients at the end of the step,
     # holding their gradients (0.54x plain), until they were made first by data
-    # (_ordering.weight_gradients_first; docs/design.md#the-oldest-tensorflow).
+    # (_weight_gradients.weight_gradients_first; docs/design.md#the-oldest-tensorflow).
     assert ours_bytes <= 0.5 * plain_bytes, found
 
 
@@ -58,13 +58,14 @@ def test_xla_keeps_each_replay_apart_from_the_forward(compiled):
 # ordered before their input gradients by control edges, which XLA ignores, and its
 # "checkpointed" step as the package runs it under XLA: the input gradient reads the
 # incoming gradient plus an opaque zero of the weight gradient
-# (_ordering.weight_gradients_first).
+# (_weight_gradients.weight_gradients_first).
 _CONTROL_EDGES_FIRST = textwrap.dedent("""
-    from tf_checkpointing.core import _ordering
-    by_data = _ordering._wait_by_data
-    _ordering._wait_by_data = lambda other, gradient, op, *_: other._add_control_input(op)
+    from tf_checkpointing.core import _weight_gradients
+    by_data = _weight_gradients._wait_by_data
+    _weight_gradients._wait_by_data = (
+        lambda other, gradient, op, *_: other._add_control_input(op))
     tf.function(plain_step, jit_compile=True)(x)
-    _ordering._wait_by_data = by_data
+    _weight_gradients._wait_by_data = by_data
     tf.function(checkpointed_step, jit_compile=True)(x)
 """)
 WEIGHT_GRADIENTS_FIRST = (SCRIPT.split("for fn in (plain_step, checkpointed_step):")[0]

@@ -148,45 +148,7 @@ def test_a_region_over_frozen_and_trainable_layers_runs_no_frozen_backward(froze
     assert r["region"] < r["plain"], {k: v / 2**20 for k, v in r.items()}
 
 
-MIRRORED = """
-import json
-import numpy as np
-import tensorflow as tf
-cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-import keras
-import tf_checkpointing as tc
-from helpers import partly_frozen
-
-strategy = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
-x = np.random.default_rng(0).random((16, 8, 8, 3), np.float32)
-y = np.random.default_rng(1).random((16, 2), np.float32)
-
-def trained(budget):
-    with strategy.scope():
-        keras.utils.set_random_seed(0)
-        model = partly_frozen()
-        if budget:
-            tc.apply_checkpointing(model, budget=budget)
-        model.compile(keras.optimizers.SGD(0.1), "mse")
-    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
-    return model
-
-plain, ours = trained(None), trained("min")
-print("RESULT", json.dumps({
-    "regions": len(ours.call.plan.regions),
-    "diff": max(float(np.max(np.abs(a.numpy() - b.numpy())))
-                for a, b in zip(plain.variables, ours.variables))}))
-"""
-
-
-@pytest.mark.slow
-def test_a_frozen_backbone_plans_and_trains_under_a_mirrored_strategy():
-    # The plain step is measured with gradients of the trainable variables only;
-    # outside a replica a mirrored variable has no handle to differentiate (the
-    # first version raised inside Model.fit's first step).
-    r = json.loads(run_script(MIRRORED).split("RESULT", 1)[1])
-    assert r["diff"] <= 1e-5, r
+# Under a MirroredStrategy: test_whole_model_keras.test_mirrored_strategy_fit_equals_plain.
 
 
 def test_an_eager_plan_of_a_model_with_frozen_layers_warns():

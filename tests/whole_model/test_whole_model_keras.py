@@ -46,6 +46,7 @@ def test_evaluate_and_predict_run_the_plain_graph():
     assert model.call.plan is None  # inference only: nothing planned
 
 
+# Both models in one interpreter (its devices are configured once, at start-up).
 MIRRORED = textwrap.dedent("""
     import json, sys
     import numpy as np
@@ -55,34 +56,48 @@ MIRRORED = textwrap.dedent("""
     import keras
     import tf_checkpointing as tc
     sys.path.insert(0, "tests")
-    from helpers import residual_net
+    from helpers import partly_frozen, residual_net
 
     x = np.random.default_rng(0).random((16, 8, 8, 3), np.float32)
     y = np.random.default_rng(1).random((16, 2), np.float32)
-    weights = []
-    for budget in (None, "min"):
-        strategy = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
-        with strategy.scope():
-            keras.utils.set_random_seed(0)
-            model = residual_net()
-            if budget:
-                tc.apply_checkpointing(model, budget=budget)
-            model.compile("sgd", "mse")
-        model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
-        weights.append([w.tolist() for w in model.get_weights()])
-    print("PLAN", model.call.plan is not None and bool(model.call.plan.regions))
-    print("RESULT", json.dumps(weights))
+    # One strategy for all: with a strategy per model, the third model's first step
+    # (a plain one) failed on TensorFlow 2.21 with "Shape mismatch in the collective
+    # instance", its gradients' all-reduce matched with an earlier model's.
+    strategy = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
+    found = {}
+    for build in (residual_net, partly_frozen):
+        weights = []
+        for budget in (None, "min"):
+            with strategy.scope():
+                keras.utils.set_random_seed(0)
+                model = build()
+                if budget:
+                    tc.apply_checkpointing(model, budget=budget)
+                model.compile(keras.optimizers.SGD(0.1), "mse")
+            model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
+            weights.append([w.tolist() for w in model.get_weights()])
+        found[build.__name__] = dict(
+            regions=len(model.call.plan.regions) if model.call.plan is not None else 0,
+            weights=weights)
+    print("RESULT", json.dumps(found))
 """)
 
 
 @pytest.mark.slow
 def test_mirrored_strategy_fit_equals_plain():
+    """``fit`` under a MirroredStrategy plans in its first step and trains as plain
+    does: a residual net, and one with a frozen backbone (its plain step is
+    measured with the trainable variables' gradients only: outside a replica a
+    mirrored variable has no handle to differentiate, and the first version
+    raised inside the first step)."""
     env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="3")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     done = subprocess.run([sys.executable, "-c", MIRRORED], env=env, capture_output=True,
                           text=True, timeout=600, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "PLAN True" in done.stdout, done.stdout[-2000:]
-    plain, ours = json.loads(done.stdout.split("RESULT", 1)[1])
-    for a, b in zip(plain, ours):
-        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5)
+    found = json.loads(done.stdout.split("RESULT", 1)[1])
+    assert found["residual_net"]["regions"] > 0, done.stdout[-2000:]
+    for name, run in found.items():
+        plain, ours = run["weights"]
+        for a, b in zip(plain, ours):
+            np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5, err_msg=name)

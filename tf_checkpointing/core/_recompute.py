@@ -41,7 +41,6 @@ from tf_checkpointing.core._ordering import (
     filters_after_gradient,
     fresh_copies,
     variable_reads,
-    weight_gradients_first,
 )
 from tf_checkpointing.core._pool_gradients import max_pool_gradients_from_windows
 from tf_checkpointing.core._replay_check import (
@@ -55,6 +54,7 @@ from tf_checkpointing.core._structure import (
     refuse_chained_outputs,
     refuse_opaque_outputs,
 )
+from tf_checkpointing.core._weight_gradients import weight_gradients_first
 
 __all__: list[str] = []
 
@@ -105,7 +105,7 @@ def checkpointed_call(
         frozen: variables whose gradient no one asks for though TensorFlow calls
             them trainable (a frozen Keras layer's weights, :func:`frozen_weights`):
             under XLA the replay's backward does not make their gradients run
-            (see ``_ordering.weight_gradients_first``). Read in graphs only.
+            (see ``_weight_gradients.weight_gradients_first``). Read in graphs only.
 
     Returns:
         What ``fn`` returns, with gradients defined by replaying ``fn``.

@@ -27,12 +27,12 @@ from collections.abc import Sequence
 from typing import Any, Callable, Optional, TypeVar, Union
 
 from tf_checkpointing import policies as save_policies
-from tf_checkpointing.planning._constants import HEADROOM
 from tf_checkpointing.planning._errors import worded
 from tf_checkpointing.planning.layer_graph._layer_graph import read_graph
 from tf_checkpointing.planning.layer_graph._regions_by_name import spans_by_name
 from tf_checkpointing.planning.measuring._layer_profile import ChainProfile
 from tf_checkpointing.planning.measuring._modes import expect_mode
+from tf_checkpointing.planning.plans._plan_text import model_plan_text, plan_text, policy_name
 
 __all__ = ["ModelPlan", "Plan", "PlanRunner", "Segment", "SequentialPlan", "even_plan",
            "pieces_of_spans", "policy_name"]
@@ -152,31 +152,7 @@ class Plan:
         return _depth(self.pieces)
 
     def __str__(self) -> str:
-        mib = lambda n: "?" if n is None else f"{n / 2**20:.2f} MiB"  # noqa: E731
-        head = f"{type(self).__name__}"
-        head += f" ({self.mode})" if self.mode else ""
-        head += f": {_count_of(self.num_layers, 'layer')}"
-        if self.budget_bytes is not None:
-            budget = "min" if self.budget_bytes == "min" else mib(self.budget_bytes)
-            head += f", budget {budget} -> predicted peak {mib(self.predicted_peak_bytes)}"
-            if self.predicted_peak_bytes and self.plain_peak_bytes:
-                head += (f" ({self.predicted_peak_bytes / self.plain_peak_bytes:.2f}x the "
-                         f"plain step's measured {mib(self.plain_peak_bytes)})")
-            else:
-                head += f" (plain step {mib(self.plain_peak_bytes)})"
-            head += (f"; smallest budget accepted {mib(self.min_budget_bytes)} (a plan's "
-                     f"predicted peak stays within {1 - HEADROOM:.0%} of its budget)")
-        regions = sum(p.checkpointed for p in self.pieces)
-        head += (f"; {_count_of(regions, 'checkpointed region')}, "
-                 f"{_count_of(self.extra_forward_layers, 'extra layer forward')} "
-                 f"({sum(self.forward_counts) / max(self.num_layers, 1):.2f}x forward)")
-        if self.policies:
-            head += f"; policies to choose from: {', '.join(map(policy_name, self.policies))}"
-        if self.predicted_extra_seconds:
-            head += f"; predicted replay time {_duration(self.predicted_extra_seconds)} per step"
-        elif self.extra_forward_layers and self.predicted_extra_seconds is not None:
-            head += "; replay time not measured"
-        return "\n".join([head] + _describe(self.names, self.pieces, "  "))
+        return plan_text(self)
 
     def to_config(self) -> dict[str, Any]:
         """The plan as JSON-ready values (save policies by name, see
@@ -267,18 +243,7 @@ class ModelPlan(Plan):
     predicted_step_seconds: Optional[float] = None
 
     def __str__(self) -> str:
-        text = super().__str__()
-        head, _, rest = text.partition("\n")
-        if self.blocks:
-            shown = list(self.block_names[:3]) + (["..."] if len(self.block_names) > 3 else [])
-            head += (f"; {_count_of(len(self.blocks), 'block')} inside layer calls "
-                     f"checkpointed one by one ({', '.join(shown)})")
-        if self.predicted_step_seconds is not None:
-            head += f"; predicted step {_seconds(self.predicted_step_seconds)}"
-            if self.plain_step_seconds:
-                head += (f", {self.predicted_step_seconds / self.plain_step_seconds:.2f}x "
-                         f"the plain step's measured {_seconds(self.plain_step_seconds)}")
-        return head + ("\n" + rest if rest else "")
+        return model_plan_text(self)
 
     @property
     def call_names(self) -> tuple[str, ...]:
@@ -357,15 +322,6 @@ def pieces_of_spans(start: int, stop: int, spans: tuple,
     return tuple(pieces)
 
 
-def policy_name(policy: Any) -> str:
-    """How a plan shows a policy: its function's name (with the names a name
-    policy keeps), else its repr."""
-    config = getattr(policy, "_config", None)
-    if config:
-        return f"{config[0]}({', '.join(map(repr, config[1]))})"
-    return getattr(policy, "__name__", None) or repr(policy)
-
-
 def _names(names: Sequence[str], piece: Segment) -> list:
     out: list = []
     for p in piece.pieces:
@@ -386,34 +342,6 @@ def _count(pieces: tuple[Segment, ...], counts: list[int]) -> None:
 
 def _depth(pieces: tuple[Segment, ...]) -> int:
     return max((1 + _depth(p.inner) for p in pieces if p.checkpointed), default=0)
-
-
-def _duration(seconds: float) -> str:
-    """Seconds as ms, or as µs below a millisecond (a replay of small layers)."""
-    return f"{seconds * 1e3:.1f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.0f} µs"
-
-
-def _seconds(seconds: float) -> str:
-    """A step's time: seconds with three decimals, or ms below a tenth of a second."""
-    return f"{seconds:.3f} s" if seconds >= 0.1 else f"{seconds * 1e3:.1f} ms"
-
-
-def _count_of(n: int, noun: str) -> str:
-    return f"{n} {noun}{'' if n == 1 else 's'}"
-
-
-def _describe(names: Sequence[str], pieces: tuple[Segment, ...], indent: str) -> list[str]:
-    lines = []
-    for p in pieces:
-        shown = list(names[p.start:p.stop])
-        shown = shown if len(shown) <= 4 else shown[:2] + ["..."] + shown[-1:]
-        kind = "checkpointed" if p.checkpointed else "plain"
-        if p.checkpointed and p.policy is not None:
-            kind += f" with {policy_name(p.policy)}"
-        lines.append(f"{indent}[{p.start}, {p.stop}) {kind} "
-                     f"({_count_of(p.stop - p.start, 'layer')}: {', '.join(shown)})")
-        lines.extend(_describe(names, p.inner, indent + "  "))
-    return lines
 
 
 def _piece_config(piece: Segment) -> list:
