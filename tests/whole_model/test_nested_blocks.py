@@ -201,12 +201,9 @@ def _vit(seed=0):
     return keras.Model(backbone.input, keras.layers.Dense(4)(head))
 
 
-def test_a_keras_hub_encoders_blocks_are_checkpointed_and_exact():
-    """ViTBackbone runs its ViTEncoderBlocks inside one ViTEncoder call. Finding the
-    blocks does not depend on the mode; under XLA, blocks inside a layer are
-    checked on the functional model a layer holds, whose planning costs a fraction
-    of the ViT's."""
-    mode = "graph"
+@pytest.mark.parametrize("mode", ["graph", "xla"])
+def test_a_keras_hub_encoders_blocks_are_checkpointed_and_exact(mode):
+    """ViTBackbone runs its ViTEncoderBlocks inside one ViTEncoder call."""
     x = tf.random.stateless_normal([4, 16, 16, 3], [0, 1])
     model, twin = _vit(), _vit()
     tc.apply_checkpointing(model, budget="min")
