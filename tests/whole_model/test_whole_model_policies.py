@@ -79,8 +79,9 @@ def test_a_plan_replaying_regions_under_policies_equals_plain(mode):
 
 
 def _fixed_step_times(calls, *args, **kwargs):
-    """Step seconds over plain's: a replay under a policy a fifth of a full one."""
-    return {name: 0.0 if name == "plain" else 1e-3 if name == "replay" else 2e-4
+    """Step seconds over plain's: a replay under a policy a tenth of a full one (a
+    block that keeps its products replays only its GELUs)."""
+    return {name: 0.0 if name == "plain" else 1e-3 if name == "replay" else 1e-4
             for name in calls}
 
 
@@ -102,9 +103,10 @@ def test_the_planner_replays_under_a_policy_where_it_saves_time(monkeypatch, req
     least = tc.plan_model(model, x, budget="min", mode="graph", policies="auto")
     assert least.policies == (REDUCTIONS, DOTS, NO_BATCH)
     chose = False
-    # Nine budgets: which ones a policy pays at moves with the bytes measured (one
-    # full-suite run chose none at 0.2, 0.4, 0.6 and 0.8; alone it chose some).
-    for fraction in np.linspace(0.1, 0.9, 9):
+    # Nineteen budgets: which ones a policy pays at moves with the bytes measured
+    # (one full-suite run chose none at 0.2, 0.4, 0.6 and 0.8, alone it chose some; a
+    # fresh-clone CI run, with a policy at a fifth of a replay, chose none of nine).
+    for fraction in np.linspace(0.05, 0.95, 19):
         budget = int(least.min_budget_bytes + fraction * (
             least.plain_peak_bytes - least.min_budget_bytes))
         without = tc.plan_model(model, x, budget=budget, mode="graph")
