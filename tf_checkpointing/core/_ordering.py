@@ -32,6 +32,8 @@ _raw = tf.raw_ops
 
 # Ops that only read a variable's value.
 _PURE_READS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd"})
+
+
 def after_replay(variable_grads: Sequence[Any], all_grads: Sequence[Any],
                  reads: Sequence[Any] = (), incoming: Sequence[Any] = ()) -> list[Any]:
     """Variable gradients that depend, by data, on every read of a variable the

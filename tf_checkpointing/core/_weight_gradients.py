@@ -46,7 +46,6 @@ _VARIABLE_READS = frozenset({"ReadVariableOp", "Const", "VarHandleOp", "Placehol
 _SHAPES = frozenset({"Shape", "ShapeN", "Size", "Rank", "Const"})
 
 
-
 def weight_gradients_first(graph: Any, first_op: int, incoming: Any = (),
                            untaken: Sequence[Any] = ()) -> int:
     """Orders each weight gradient of a replay's backward before the input
