@@ -7,8 +7,8 @@ checkpointed one keeps only its inputs (and what its save policy picks) and is
 replayed in backprop, possibly with checkpointed pieces of its own inside
 (``inner``). :class:`SequentialPlan` (chains: ``checkpoint_sequential``,
 ``CheckpointedSequential``) and :class:`ModelPlan` (``apply_checkpointing``) are
-the two views of it: the same fields, printing and config, plus what each
-runner needs. :func:`even_plan` makes the fixed ``segments=k`` schedule.
+the two views of it: the same fields, printing (:mod:`._plan_text`) and config,
+plus what each runner needs. :func:`even_plan` makes the fixed ``segments=k`` schedule.
 
 How planning runs a plan it wants to measure, without importing the runtime:
 two measurements need the plan itself run (an XLA step compiles the whole
@@ -32,10 +32,10 @@ from tf_checkpointing.planning.layer_graph._layer_graph import read_graph
 from tf_checkpointing.planning.layer_graph._regions_by_name import spans_by_name
 from tf_checkpointing.planning.measuring._layer_profile import ChainProfile
 from tf_checkpointing.planning.measuring._modes import expect_mode
-from tf_checkpointing.planning.plans._plan_text import model_plan_text, plan_text, policy_name
+from tf_checkpointing.planning.plans._plan_text import model_plan_text, plan_text
 
 __all__ = ["ModelPlan", "Plan", "PlanRunner", "Segment", "SequentialPlan", "even_plan",
-           "pieces_of_spans", "policy_name"]
+           "pieces_of_spans"]
 
 P = TypeVar("P", bound="Plan")
 _FROM_REGIONS = "ModelPlan.from_regions"

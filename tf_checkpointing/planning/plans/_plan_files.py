@@ -34,7 +34,8 @@ import tensorflow as tf
 
 from tf_checkpointing.planning._errors import PlanningValueError, caller
 from tf_checkpointing.planning.layer_graph._layer_graph import LayerGraph
-from tf_checkpointing.planning.plans._plan import ModelPlan, policy_name
+from tf_checkpointing.planning.plans._plan import ModelPlan
+from tf_checkpointing.planning.plans._plan_text import policy_name
 
 __all__ = ["device_of_step", "expect_folder", "file_name", "plan_key", "read_plan",
            "write_plan"]
