@@ -116,14 +116,34 @@ class ChainProfile:
 
 
 def taped(call: Callable[[Any], Any], x: Any,
-          watch: bool = True) -> tuple[tf.GradientTape, Any]:
+          watch: bool = True) -> tuple[tf.GradientTape, Any, Any]:
     """``call(x)`` under a tape that watches ``x`` (with ``watch``) and the
-    trainable variables the call reads."""
+    trainable variables the call reads: the tape, what the call read, and
+    what it returned.
+
+    With ``watch``, the call reads each differentiable leaf through a reshape
+    to its own shape (free: the output shares the input's buffer), so every
+    leaf gets a gradient tensor of its own. Where two leaves would share one
+    (an ``Add`` passes its output gradient to both inputs), TensorFlow's tape
+    counts one reference too many to it, and the measured graph, with the
+    constants its shape inference made, outlives planning in the allocator's
+    pool (see docs/decisions/0042-shared-gradients.md).
+    """
     with tf.GradientTape() as tape:
         if watch:
             tape.watch([t for t in tf.nest.flatten(x) if is_differentiable(t)])
+            x = tf.nest.map_structure(own_gradient, x)
         y = call(x)
-    return tape, y
+    return tape, x, y
+
+
+def own_gradient(t: Any) -> Any:
+    """``t`` through a reshape to its shape, whose gradient is a new tensor
+    (see :func:`taped`); anything not differentiable, unchanged."""
+    if not is_differentiable(t):
+        return t
+    shape = t.shape if t.shape.is_fully_defined() else tf.shape(t)
+    return tf.reshape(t, shape)
 
 
 def untaped_pass(calls, x, device, call_overhead: float = 0.0,
@@ -182,9 +202,7 @@ def taped_pass(calls, x, device, names, untaped, seconds, sizes) -> ChainProfile
     for k, call in enumerate(calls):
         _progress.step("measuring layer calls", k + 1, len(calls))
         before = allocator.mark()
-        with tf.GradientTape() as tape:
-            tape.watch([t for t in tf.nest.flatten(x) if is_differentiable(t)])
-            y = call(x)
+        tape, _, y = taped(call, x)
         peak = allocator.peak_since_mark()
         highest = max(highest, peak)
         fwd_peaks.append(max(0, peak - before))

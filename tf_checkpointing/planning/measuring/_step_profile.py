@@ -113,7 +113,7 @@ def _graph_layer(call, x, y, device, name) -> tuple[LayerProfile, int, int]:
         return tf.constant(1.0)
 
     def step(x: Any) -> tuple[list[Any], list[Any]]:
-        tape, y = taped(call, x)
+        tape, read, y = taped(call, x)
         first_backward_op = len(tf.compat.v1.get_default_graph().get_operations())
         leaves = [t for t in tf.nest.flatten(x) if is_differentiable(t)]
         outputs = [t for t in tf.nest.flatten(y) if is_differentiable(t)]
@@ -121,7 +121,7 @@ def _graph_layer(call, x, y, device, name) -> tuple[LayerProfile, int, int]:
         # where each output is the next layer's input.
         one = tf.py_function(read_and_reset, outputs, tf.float32)
         graph = tf.compat.v1.get_default_graph()
-        traced[:] = [graph, first_backward_op, tf.nest.flatten(x), tf.nest.flatten(y), one.op]
+        traced[:] = [graph, first_backward_op, tf.nest.flatten(read), tf.nest.flatten(y), one.op]
         variables = list(tape.watched_variables())
         grads = tape.gradient(outputs, leaves + variables,
                               output_gradients=[tf.fill(tf.shape(t), tf.cast(one, t.dtype))

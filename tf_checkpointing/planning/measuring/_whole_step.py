@@ -110,7 +110,7 @@ def _training_step(calls, x, jit_compile: bool, applied: bool,
     updated: list[tf.Variable] = []  # filled when traced
 
     def chain(x: Any) -> list[Any]:
-        tape, y = taped(lambda x: run_all(calls, x), x, watch=trainable is None)
+        tape, _, y = taped(lambda x: run_all(calls, x), x, watch=trainable is None)
         sources, grads = _backprop(tape, x, y, trainable, like_a_loss=jit_compile)
         # The outputs' sums, as a loss reads them: with nothing to differentiate
         # (every layer frozen) the forward still runs, and is measured.
@@ -171,7 +171,7 @@ def eager_plain_peak(calls, x, device, trainable: Optional[Sequence[Any]] = None
     gradients are all held until an optimizer would apply them. The median of a
     few steps, after one that builds what the calls build once."""
     def step() -> list[Any]:
-        tape, y = taped(lambda x: run_all(calls, x), x, watch=trainable is None)
+        tape, _, y = taped(lambda x: run_all(calls, x), x, watch=trainable is None)
         return _backprop(tape, x, y, trainable, like_a_loss=True)[1]
 
     sync(step())  # warm up
