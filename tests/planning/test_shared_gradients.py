@@ -12,7 +12,8 @@ import sys
 import tensorflow as tf
 from tensorflow.python.framework.func_graph import FuncGraph
 
-from tf_checkpointing.planning.measuring._layer_profile import own_gradient, taped
+from tf_checkpointing.core._structure import own_gradient
+from tf_checkpointing.planning.measuring._layer_profile import taped
 
 
 def _add(pair):

@@ -51,6 +51,7 @@ from tf_checkpointing.core._replay_check import (
 from tf_checkpointing.core._state import StateRecorder, replayed_state
 from tf_checkpointing.core._structure import (
     Flattened,
+    own_gradient,
     refuse_chained_outputs,
     refuse_opaque_outputs,
 )
@@ -307,7 +308,7 @@ class _Replay:
                     tf.GradientTape(watch_accessed_variables=False) as tape:
                 tape.watch(inputs)
                 tape.watch(differentiable_vars)
-                out = Flattened(self._call(inputs, others))
+                out = Flattened(self._call([own_gradient(t) for t in inputs], others))
             out_leaves = out.leaves
             if self.check:
                 verify_replay(self, out, out_leaves)

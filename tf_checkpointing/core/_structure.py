@@ -68,6 +68,26 @@ def is_differentiable(leaf: Any) -> bool:
     return isinstance(leaf, tf.Tensor) and (leaf.dtype.is_floating or leaf.dtype.is_complex)
 
 
+def own_gradient(leaf: Any) -> Any:
+    """``leaf`` through a reshape to its own shape, which shares its buffer and
+    whose gradient is a new tensor: read by a replay or a measured call, each
+    input gets a gradient tensor of its own. Where two sources of one
+    ``tape.gradient`` would get the same one (an ``Add`` passes its output
+    gradient to both inputs), TensorFlow's tape keeps a reference too many to it,
+    and with it the graph it was traced in (see docs/decisions/0042-shared-gradients.md).
+    Anything not differentiable is returned unchanged.
+
+        >>> import tensorflow as tf
+        >>> from tf_checkpointing.core._structure import own_gradient
+        >>> own_gradient(tf.ones([2, 3])).shape
+        TensorShape([2, 3])
+    """
+    if not is_differentiable(leaf):
+        return leaf
+    shape = leaf.shape if leaf.shape.is_fully_defined() else tf.shape(leaf)
+    return tf.reshape(leaf, shape)
+
+
 def _is_graph_tensor_array(leaf: Any) -> bool:
     return isinstance(leaf, tf.TensorArray) and not tf.executing_eagerly()
 

@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 
 import tensorflow as tf
 
-from tf_checkpointing.core._structure import is_differentiable
+from tf_checkpointing.core._structure import is_differentiable, own_gradient
 from tf_checkpointing.planning._constants import TIMED_RUNS as _TIMED_RUNS
 from tf_checkpointing.planning.measuring import _progress
 from tf_checkpointing.planning.measuring._allocator import Allocator, nbytes, sync
@@ -121,13 +121,9 @@ def taped(call: Callable[[Any], Any], x: Any,
     trainable variables the call reads: the tape, what the call read, and
     what it returned.
 
-    With ``watch``, the call reads each differentiable leaf through a reshape
-    to its own shape (free: the output shares the input's buffer), so every
-    leaf gets a gradient tensor of its own. Where two leaves would share one
-    (an ``Add`` passes its output gradient to both inputs), TensorFlow's tape
-    counts one reference too many to it, and the measured graph, with the
-    constants its shape inference made, outlives planning in the allocator's
-    pool (see docs/decisions/0042-shared-gradients.md).
+    With ``watch``, the call reads each differentiable leaf through
+    :func:`~tf_checkpointing.core._structure.own_gradient`, so that no measured
+    graph outlives planning, holding its constants in the allocator's pool.
     """
     with tf.GradientTape() as tape:
         if watch:
@@ -135,15 +131,6 @@ def taped(call: Callable[[Any], Any], x: Any,
             x = tf.nest.map_structure(own_gradient, x)
         y = call(x)
     return tape, x, y
-
-
-def own_gradient(t: Any) -> Any:
-    """``t`` through a reshape to its shape, whose gradient is a new tensor
-    (see :func:`taped`); anything not differentiable, unchanged."""
-    if not is_differentiable(t):
-        return t
-    shape = t.shape if t.shape.is_fully_defined() else tf.shape(t)
-    return tf.reshape(t, shape)
 
 
 def untaped_pass(calls, x, device, call_overhead: float = 0.0,
