@@ -11,6 +11,7 @@ plan type is :class:`~tf_checkpointing.planning.plans._plan.ModelPlan`.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
 import warnings
 from typing import Any, NamedTuple, Optional
@@ -74,6 +75,16 @@ def plan_graph(graph: LayerGraph, inputs: Any, budget: Budget, *, mode: str,
     measured by running it with ``runner``. Every state the model owns is as it
     was before (see ``measuring._leave_no_trace``)."""
     assert graph.calls, "the API checks that the model has layer calls"
+    plan = _plan(graph, inputs, budget, mode=mode, runner=runner, policies=policies)
+    # What planning traced and ran is in reference cycles (functions, graphs) that
+    # hold small buffers: collected now, or the caller's step would allocate next
+    # to them, above the memory planning used (see docs/decisions/0042-shared-gradients.md).
+    gc.collect()
+    return plan
+
+
+def _plan(graph: LayerGraph, inputs: Any, budget: Budget, *, mode: str,
+          runner: PlanRunner, policies: tuple[Any, ...]) -> ModelPlan:
     with nothing_left(), _progress.planning(f"`{graph.model.name}`"):
         planning = _Planning.start(graph, inputs, None if budget == LEAST else int(budget),
                                    mode=mode, runner=runner, policies=policies)
