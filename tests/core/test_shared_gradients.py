@@ -14,14 +14,13 @@ import gc
 
 import pytest
 import tensorflow as tf
+from tensorflow.python.framework import ops
 from tensorflow.python.framework.func_graph import FuncGraph
 
 from tf_checkpointing import checkpointable
 
 
 def _registered():
-    from tensorflow.python.framework import ops
-
     registry = ops._gradient_registry._registry  # noqa: SLF001 - no public listing
     return {name for name in registry if name.startswith("CustomGradient-")}
 
@@ -56,8 +55,6 @@ def test_a_replayed_add_of_two_inputs_leaves_no_graph_behind(jit_compile):
     assert grads[0].numpy().tolist() == (4.0 * s).tolist()
     assert grads[1].numpy().tolist() == (6.0 * s).tolist()
     del function, grads
-    from tensorflow.python.framework import ops
-
     for name in _registered() - registered:
         del ops._gradient_registry._registry[name]  # noqa: SLF001
     assert len(runs) == 2  # traced, then replayed

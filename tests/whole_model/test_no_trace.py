@@ -6,6 +6,7 @@ leaves, and the checkpointed model's first step must equal plain's first step.
 Each case is compared against an un-checkpointed twin built with the same seed.
 """
 
+import gc
 import re
 import warnings
 
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from helpers import assert_all_close, grads_of
+from tensorflow.python.framework.func_graph import FuncGraph
 
 import tf_checkpointing as tc
 
@@ -354,8 +356,6 @@ def test_planning_leaves_the_memory_pool_as_it_found_it(mode):
     allocated among its measurements' tensors: both above the memory planning
     used, which then stayed a free chunk of its own, and an XLA step's buffer
     was handed that whole chunk (ResNet50: 253 MiB for a 183 MiB buffer)."""
-    import gc
-
     keras.utils.set_random_seed(0)
     x_in = keras.Input((64,))
     h = x_in
@@ -367,10 +367,7 @@ def test_planning_leaves_the_memory_pool_as_it_found_it(mode):
     x = tf.random.normal([32, 64])
     model(x)
     registered = _custom_gradients()
-    gc.collect()
-    from tensorflow.python.framework.func_graph import FuncGraph
-
-    graphs = {id(g) for g in gc.get_objects() if isinstance(g, FuncGraph)}
+    graphs = _graph_ids()
     addresses = {v.path: _buffer_address(v) for v in model.variables}
     in_use = tf.config.experimental.get_memory_info("CPU:0")["current"]
 
@@ -379,14 +376,11 @@ def test_planning_leaves_the_memory_pool_as_it_found_it(mode):
     gc.collect()
     assert _custom_gradients() - registered == set()
     # The per-call graphs of the profile (an Add's among them, decision 0042).
-    assert [g for g in gc.get_objects()
-            if isinstance(g, FuncGraph) and g.name == "step" and id(g) not in graphs] == []
+    assert [g.name for g in _graphs() if g.name == "step" and id(g) not in graphs] == []
     moved = [v.path for v in model.variables if _buffer_address(v) != addresses[v.path]]
     assert moved == []
     # What is left is small against the step's megabytes that the leaks this
-    # guards against kept (ResNet50: 70 MiB): the graph of a plan step measured in
-    # tf.function stays alive, held outside Python after its custom gradients are
-    # dropped, with ~100 KiB of TensorFlow's tensors (89-137 KiB seen).
+    # guards against kept (ResNet50: 70 MiB).
     assert tf.config.experimental.get_memory_info("CPU:0")["current"] - in_use <= 256 * 1024
 
 
@@ -397,10 +391,6 @@ def test_planning_collects_what_it_traced_before_it_returns(mode):
     first call allocated its own constants next to them, above the memory planning
     had used, and its later steps were handed that free chunk whole. The garbage
     collector is off here, so only planning's own collection can free them."""
-    import gc
-
-    from tensorflow.python.framework.func_graph import FuncGraph
-
     keras.utils.set_random_seed(0)
     x_in = keras.Input((32,))
     h = x_in
@@ -410,13 +400,21 @@ def test_planning_collects_what_it_traced_before_it_returns(mode):
     model = keras.Model(x_in, keras.layers.Dense(4, name="head")(h))
     x = tf.random.normal([16, 32])
     model(x)
-    gc.collect()
-    before = {id(g) for g in gc.get_objects() if isinstance(g, FuncGraph)}
+    before = _graph_ids()
     gc.disable()
     try:
         tc.plan_model(model, x, budget="min", mode=mode)
-        left = [g.name for g in gc.get_objects()
-                if isinstance(g, FuncGraph) and id(g) not in before]
+        left = [g.name for g in _graphs() if id(g) not in before]
     finally:
         gc.enable()
     assert left == []
+
+
+def _graphs():
+    """The traced graphs alive (or not yet collected)."""
+    return [g for g in gc.get_objects() if isinstance(g, FuncGraph)]
+
+
+def _graph_ids():
+    gc.collect()
+    return {id(g) for g in _graphs()}
