@@ -9,6 +9,7 @@ import pytest
 import tensorflow as tf
 
 import tf_checkpointing as tc
+from tf_checkpointing.planning.layer_graph._blocks import named_block_spans, segment_spans
 from tf_checkpointing.planning.layer_graph._layer_graph import read_graph
 from tf_checkpointing.planning.measuring._whole_step import StepReading
 from tf_checkpointing.planning.solving import _model_planner
@@ -63,3 +64,42 @@ def test_the_least_plan_is_the_lower_measured_of_itself_and_the_blocks(monkeypat
 def test_an_eager_least_plan_measures_nothing(monkeypatch):
     monkeypatch.setattr(_model_planner, "measure_plan", lambda *a, **k: pytest.fail("measured"))
     tc.plan_model(_model_of_blocks(), tf.ones([4, 8]), budget="min", mode="eager")
+
+
+def _model_of_named_blocks():
+    """Residual blocks whose layers share a numbered name prefix, joined by
+    `Add` layers that Keras names otherwise (as in ConvNeXt)."""
+    keras.utils.set_random_seed(0)
+    x = keras.Input((8,))
+    h = keras.layers.Dense(8, name="stem")(x)
+    for k in range(3):
+        y = keras.layers.Dense(16, activation="relu", name=f"stage_block{k}_in")(h)
+        y = keras.layers.Dense(8, name=f"stage_block{k}_out")(y)
+        h = keras.layers.Add(name=f"add_{k}")([h, y])
+    return keras.Model(x, keras.layers.Dense(1, name="head")(h))
+
+
+def test_named_block_spans_are_the_blocks_a_user_selects_by_name_prefix():
+    graph = read_graph(_model_of_named_blocks())
+    names = [call.name for call in graph.calls]
+    spans = named_block_spans(graph)
+    assert [names[a:b] for a, b, _ in spans] == [
+        [f"stage_block{k}_in", f"stage_block{k}_out"] for k in range(3)]
+    assert spans != segment_spans(graph)  # the adds are left out
+
+
+def test_the_least_plan_is_the_named_blocks_where_they_measure_lowest(monkeypatch):
+    model = _model_of_named_blocks()
+    measured = []
+
+    def fake_measure(graph, inputs, runner, spans, region_policies=(), mode="xla"):
+        measured.append(spans)
+        return StepReading(100 if spans == named_block_spans(graph) else 200,
+                           0.01)
+
+    monkeypatch.setattr(_model_planner, "measure_plan", fake_measure)
+    plan = tc.plan_model(model, tf.random.stateless_normal([64, 8], [0, 1]), budget="min",
+                         mode="graph")
+    assert len(measured) == len(set(measured)) >= 2  # each candidate measured once
+    assert plan.regions == [[f"stage_block{k}_in", f"stage_block{k}_out"] for k in range(3)]
+    assert plan.predicted_peak_bytes == 100

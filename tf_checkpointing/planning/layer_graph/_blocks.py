@@ -22,7 +22,7 @@ from typing import Any
 from tf_checkpointing.planning.layer_graph._layer_graph import LayerGraph, last_uses, tensor_keys
 
 __all__ = ["BlockRef", "block_layers", "block_spans", "candidate_layers", "inner_block_choices",
-           "segment_spans", "sublayers"]
+           "named_block_spans", "segment_spans", "sublayers"]
 
 BlockRef = tuple[int, int]
 """A sublayer of a layer call: ``(call index, index in sublayers(call.layer))``."""
@@ -32,6 +32,8 @@ _MAX_CLASSES = 3
 # A piece of the model cut at one live tensor shorter than this joins the one before
 # (a ReLU after a residual Add is a piece of its own: no block).
 _MIN_SEGMENT = 3
+# Blocks named by layer are looked for at most this many numbered name parts deep.
+_MAX_NAME_LEVELS = 3
 
 
 def sublayers(layer: Any) -> list[Any]:
@@ -105,6 +107,55 @@ def segment_spans(graph: LayerGraph, min_calls: int = _MIN_SEGMENT) -> tuple:
             bounds.append(cut)
     pieces = [(a, c, ()) for a, c in zip(bounds, bounds[1:])]
     return tuple(pieces) if len(pieces) >= 2 else ()
+
+
+def named_block_spans(graph: LayerGraph) -> tuple:
+    """The model's blocks by layer name, each as a region: what a user selects
+    with a layer-name prefix such as ``conv2_block1_`` or
+    ``convnext_tiny_stage_0_block_0_``, from its first call to its last (a
+    region leaves out a residual ``Add`` or a downsampling layer that Keras
+    names otherwise). A name's block is its prefix up to its ``k``-th numbered
+    part (``conv2``, then ``conv2_block1``), with ``k`` the level whose blocks
+    are about as many as the model's residual pieces (:func:`segment_spans`);
+    a block has at least two calls. () when there are fewer than two blocks.
+
+        >>> import keras
+        >>> from tf_checkpointing.planning.layer_graph._layer_graph import read_graph
+        >>> from tf_checkpointing.planning.layer_graph._blocks import named_block_spans
+        >>> x = keras.Input((4,))
+        >>> h = x
+        >>> for k in range(3):
+        ...     y = keras.layers.Dense(4, name=f"block{k}_in")(h)
+        ...     y = keras.layers.Dense(4, name=f"block{k}_out")(y)
+        ...     h = keras.layers.Add(name=f"add_{k}")([h, y])
+        >>> named_block_spans(read_graph(keras.Model(x, keras.layers.Dense(1)(h))))
+        ((0, 2, ()), (3, 5, ()), (6, 8, ()))
+    """
+    pieces = len(segment_spans(graph))
+    if not pieces:
+        return ()
+    names = [call.name for call in graph.calls]
+    levels = [_blocks_at_level(names, level) for level in range(1, _MAX_NAME_LEVELS + 1)]
+    levels = [spans for spans in levels if len(spans) >= 2]
+    return min(levels, key=lambda spans: abs(len(spans) - pieces), default=())
+
+
+def _blocks_at_level(names: list[str], level: int) -> tuple:
+    """The spans of the calls whose names share their prefix up to the
+    ``level``-th ``_``-separated part that ends in a digit (not the name's last
+    part), in run order, each of at least two calls, none overlapping the one
+    before."""
+    found: dict[str, list[int]] = {}
+    for i, name in enumerate(names):
+        parts = name.split("_")
+        numbered = [k for k, part in enumerate(parts[:-1]) if part[-1:].isdigit()]
+        if len(numbered) >= level:
+            found.setdefault("_".join(parts[:numbered[level - 1] + 1]), []).append(i)
+    spans: list[tuple] = []
+    for calls in sorted(found.values()):
+        if len(calls) >= 2 and (not spans or calls[0] >= spans[-1][1]):
+            spans.append((calls[0], calls[-1] + 1, ()))
+    return tuple(spans)
 
 
 def _is_floating(tensor: Any) -> bool:

@@ -24,6 +24,7 @@ from tf_checkpointing.planning.layer_graph._blocks import (
     block_layers,
     block_spans,
     inner_block_choices,
+    named_block_spans,
     segment_spans,
     sublayers,
 )
@@ -226,13 +227,14 @@ class _Planning:
     def selections(self) -> list[_Option]:
         """The plans a user could write, besides the planner's regions: the
         model's own blocks (``apply_checkpointing(model, [Block])``), at the top
-        of the graph or inside its calls, and its pieces between residual joins
-        (blocks selected by layer-name prefix). A region plan must not lose to
-        them, so they are measured (see
+        of the graph or inside its calls, its pieces between residual joins, and
+        its blocks by layer-name prefix (``conv2_block1_*``). A region plan must
+        not lose to them, so they are measured (see
         docs/decisions/0021-least-plan-against-the-blocks.md)."""
         options = []
         if self.mode != "eager":  # eager region plans are predicted from exact readings
-            for spans in dict.fromkeys((block_spans(self.graph), segment_spans(self.graph))):
+            for spans in dict.fromkeys((block_spans(self.graph), segment_spans(self.graph),
+                                        named_block_spans(self.graph))):
                 if spans and spans != self.least.spans:
                     options.append(_Option(Solution(self.region_model.peak(spans), spans,
                                                     (NO_POLICY,) * len(spans))))
