@@ -37,13 +37,13 @@ def record(name: str, tiny: bool = False) -> dict:
         import keras
 
         import tf_checkpointing as tc
-        from tf_checkpointing.planning.solving import _model_planner
+        from tf_checkpointing.planning.solving import _planning
 
     model, batch_of, _, batch = build(name, tiny)
     x = batch_of(batch)
     model(x)
     calls: list[dict] = []
-    solve, nested_options = _model_planner.solve, _model_planner.nested_options
+    solve, nested_options = _planning.solve, _planning.nested_options
 
     def recorded_solve(region_model: Any, limit: Any, **kwargs: Any) -> Any:
         began = time.perf_counter()
@@ -59,7 +59,7 @@ def record(name: str, tiny: bool = False) -> dict:
         return options
 
     timings: dict = {}
-    _model_planner.solve, _model_planner.nested_options = recorded_solve, timed_nested
+    _planning.solve, _planning.nested_options = recorded_solve, timed_nested
     plans = []
     try:
         began = time.perf_counter()
@@ -75,7 +75,7 @@ def record(name: str, tiny: bool = False) -> dict:
                               predicted_extra_s=plan.predicted_extra_seconds,
                               regions=len(plan.regions), solves=list(range(before, len(calls)))))
     finally:
-        _model_planner.solve, _model_planner.nested_options = solve, nested_options
+        _planning.solve, _planning.nested_options = solve, nested_options
     step = training_step(model, keras.optimizers.SGD(1e-3), jit=False)
     step(x).numpy()
     times = []

@@ -11,7 +11,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from tf_checkpointing.planning.solving._model_planner import _CHUNKS, chunk_factor
+from tf_checkpointing.planning._constants import CHUNKS as _CHUNKS
+from tf_checkpointing.planning.solving._planning import chunk_factor
 from tf_checkpointing.planning.solving._region_solver import solve
 from tf_checkpointing.planning.solving._regions import GraphCosts, RegionModel
 

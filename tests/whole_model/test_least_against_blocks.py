@@ -9,10 +9,14 @@ import pytest
 import tensorflow as tf
 
 import tf_checkpointing as tc
-from tf_checkpointing.planning.layer_graph._blocks import named_block_spans, segment_spans
+from tf_checkpointing.planning.layer_graph._blocks import (
+    block_spans,
+    named_block_spans,
+    segment_spans,
+)
 from tf_checkpointing.planning.layer_graph._layer_graph import read_graph
 from tf_checkpointing.planning.measuring._whole_step import StepReading
-from tf_checkpointing.planning.solving import _model_planner
+from tf_checkpointing.planning.solving import _planning
 
 
 class Block(keras.layers.Layer):
@@ -38,7 +42,7 @@ def test_block_spans_are_the_calls_of_the_repeated_block():
     model = _model_of_blocks()
     plan = tc.ModelPlan.from_regions(model, [["stem"]])
     names = list(plan.names)
-    spans = _model_planner.block_spans(read_graph(model))
+    spans = block_spans(read_graph(model))
     assert [names[a] for a, _, _ in spans] == ["block0", "block1", "block2"]
 
 
@@ -49,11 +53,11 @@ def test_the_least_plan_is_the_lower_measured_of_itself_and_the_blocks(monkeypat
     measured = {}
 
     def fake_measure(graph, inputs, runner, spans, region_policies=(), mode="xla"):
-        is_blocks = spans == _model_planner.block_spans(graph)
+        is_blocks = spans == block_spans(graph)
         measured[is_blocks] = spans
         return StepReading(100 if is_blocks == blocks_lower else 200, 0.01)
 
-    monkeypatch.setattr(_model_planner, "measure_plan", fake_measure)
+    monkeypatch.setattr(_planning, "measure_plan", fake_measure)
     plan = tc.plan_model(model, x, budget="min", mode="graph")
     assert set(measured) == {True, False}  # both measured
     blocks = [["block0"], ["block1"], ["block2"]]
@@ -62,7 +66,7 @@ def test_the_least_plan_is_the_lower_measured_of_itself_and_the_blocks(monkeypat
 
 
 def test_an_eager_least_plan_measures_nothing(monkeypatch):
-    monkeypatch.setattr(_model_planner, "measure_plan", lambda *a, **k: pytest.fail("measured"))
+    monkeypatch.setattr(_planning, "measure_plan", lambda *a, **k: pytest.fail("measured"))
     tc.plan_model(_model_of_blocks(), tf.ones([4, 8]), budget="min", mode="eager")
 
 
@@ -97,7 +101,7 @@ def test_the_least_plan_is_the_named_blocks_where_they_measure_lowest(monkeypatc
         return StepReading(100 if spans == named_block_spans(graph) else 200,
                            0.01)
 
-    monkeypatch.setattr(_model_planner, "measure_plan", fake_measure)
+    monkeypatch.setattr(_planning, "measure_plan", fake_measure)
     plan = tc.plan_model(model, tf.random.stateless_normal([64, 8], [0, 1]), budget="min",
                          mode="graph")
     assert len(measured) == len(set(measured)) >= 2  # each candidate measured once

@@ -14,8 +14,9 @@ from helpers import sgd_step
 
 import tf_checkpointing as tc
 from tf_checkpointing._graph_runner import model_runner
+from tf_checkpointing.planning.layer_graph._blocks import inner_block_choices
 from tf_checkpointing.planning.layer_graph._layer_graph import read_graph
-from tf_checkpointing.planning.solving import _model_planner
+from tf_checkpointing.planning.solving._planning import Option, Planning
 from tf_checkpointing.planning.solving._region_solver import NO_POLICY, Solution
 from tf_checkpointing.planning.solving._step_time import block_work, replay_scale
 
@@ -55,13 +56,13 @@ def test_replaying_a_matrix_product_is_predicted_and_measured_slower_than_a_relu
     x = tf.random.stateless_normal([512, 512], [0, 1])
     model = _heavy_and_cheap()
     graph = read_graph(model)
-    planning = _model_planner._Planning.start(graph, x, None, mode="graph",
-                                              runner=model_runner(graph), policies=())
+    planning = Planning.start(graph, x, None, mode="graph",
+                              runner=model_runner(graph), policies=())
     names = [call.name for call in graph.calls]
     plans = {}
     for name, (start, stop) in {"heavy": ("heavy", "cheap"), "cheap": ("cheap", "cheap")}.items():
         span = (names.index(start), names.index(stop) + 1, ())
-        option = _model_planner._Option(Solution(0.0, (span,), (NO_POLICY,)))
+        option = Option(Solution(0.0, (span,), (NO_POLICY,)))
         plans[name] = planning.plan(option)
     heavy, cheap = plans["heavy"], plans["cheap"]
     assert heavy.plain_step_seconds == cheap.plain_step_seconds > 0
@@ -158,7 +159,7 @@ def test_blocks_replay_their_share_of_their_call():
     x = keras.Input((16,))
     model = keras.Model(x, keras.layers.Dense(1)(Stack()(keras.layers.Dense(16)(x))))
     graph = read_graph(model)
-    refs = _model_planner.inner_block_choices(graph)[0]
+    refs = inner_block_choices(graph)[0]
     cost = np.array([0.5, 2.0, 0.25])
     assert block_work(graph, cost, refs) == pytest.approx(2.0)
     assert block_work(graph, cost, refs[:1]) == pytest.approx(0.5)

@@ -218,7 +218,8 @@ def test_a_gradient_that_needs_no_replay_runs_no_backward():
 
 BATCHNORM_REPLAY = STEP + textwrap.dedent("""
     from tf_checkpointing.planning.measuring._requested import requested_peak
-    from tf_checkpointing.planning.solving import _model_planner, _model_profile
+    from tf_checkpointing.planning._constants import CHUNKS
+    from tf_checkpointing.planning.solving import _model_profile
 
     keras.utils.set_random_seed(0)
     x = keras.Input((32, 32, 8))
@@ -241,7 +242,7 @@ BATCHNORM_REPLAY = STEP + textwrap.dedent("""
     batchnorms = [dict(output=profile.boundary_bytes[i + 1], alone=p.backward_alone_bytes,
                        above_kept=p.backward_peak_bytes)
                   for i, p in enumerate(profile.layers) if "batch_norm" in p.name]
-    print("RESULT", json.dumps(dict(model=plan.predicted_peak_bytes / _model_planner._CHUNKS,
+    print("RESULT", json.dumps(dict(model=plan.predicted_peak_bytes / CHUNKS,
                                     tensors=tensors, batchnorms=batchnorms)))
 """)
 
