@@ -102,8 +102,27 @@ def test_the_least_plan_is_the_named_blocks_where_they_measure_lowest(monkeypatc
                            0.01)
 
     monkeypatch.setattr(_planning, "measure_plan", fake_measure)
+    monkeypatch.setattr(_planning, "_SELECTION_MARGIN", 1e9)  # measured whatever predicted
     plan = tc.plan_model(model, tf.random.stateless_normal([64, 8], [0, 1]), budget="min",
                          mode="graph")
     assert len(measured) == len(set(measured)) >= 2  # each candidate measured once
     assert plan.regions == [[f"stage_block{k}_in", f"stage_block{k}_out"] for k in range(3)]
     assert plan.predicted_peak_bytes == 100
+
+
+@pytest.mark.parametrize("margin", [1e9, 0.0])
+def test_a_selection_is_measured_only_where_its_prediction_leaves_it_a_chance(monkeypatch,
+                                                                             margin):
+    measured = []
+
+    def fake_measure(graph, inputs, runner, spans, region_policies=(), mode="xla"):
+        measured.append(spans)
+        return StepReading(200, 0.01)
+
+    monkeypatch.setattr(_planning, "measure_plan", fake_measure)
+    monkeypatch.setattr(_planning, "_SELECTION_MARGIN", margin)
+    tc.plan_model(_model_of_named_blocks(), tf.random.stateless_normal([64, 8], [0, 1]),
+                  budget="min", mode="graph")
+    graph = read_graph(_model_of_named_blocks())
+    selections = {named_block_spans(graph), segment_spans(graph)}
+    assert set(measured) & selections == (selections if margin > 1 else set())

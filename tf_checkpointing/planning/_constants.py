@@ -25,6 +25,10 @@ CHUNKS = 1.10
 XLA_BUDGET_USED = 0.85
 # A budget below this many bytes is a unit slip (MiB, GiB): no training step fits.
 LEAST_BYTES = 1024
+# A user's selection of regions is measured (a compiled step) only where its
+# predicted peak is at most this many times the least plan's: the largest error
+# seen in such a pair (docs/decisions/0044-selections-that-could-win.md).
+SELECTION_MARGIN = 1.5
 
 # The whole-model region program (_region_solver) ---------------------------------
 

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple, Optional
 
 from tf_checkpointing.planning._constants import CHUNKS as _CHUNKS
 from tf_checkpointing.planning._constants import HEADROOM as _HEADROOM
+from tf_checkpointing.planning._constants import SELECTION_MARGIN as _SELECTION_MARGIN
 from tf_checkpointing.planning.layer_graph._blocks import (
     BlockRef,
     block_layers,
@@ -195,14 +196,19 @@ class Planning:
         of the graph or inside its calls, its pieces between residual joins, and
         its blocks by layer-name prefix (``conv2_block1_*``). A region plan must
         not lose to them, so they are measured (see
-        docs/decisions/0021-least-plan-against-the-blocks.md)."""
+        docs/decisions/0021-least-plan-against-the-blocks.md): those of regions
+        where the model's prediction leaves them a chance to (see
+        docs/decisions/0044-selections-that-could-win.md)."""
         options = []
         if self.mode != "eager":  # eager region plans are predicted from exact readings
+            could_win = self.predict(self.least.value) * _SELECTION_MARGIN
             for spans in dict.fromkeys((block_spans(self.graph), segment_spans(self.graph),
                                         named_block_spans(self.graph))):
-                if spans and spans != self.least.spans:
-                    options.append(Option(Solution(self.region_model.peak(spans), spans,
-                                                    (NO_POLICY,) * len(spans))))
+                if not spans or spans == self.least.spans:
+                    continue
+                peak = self.region_model.peak(spans)
+                if self.predict(peak) <= could_win:
+                    options.append(Option(Solution(peak, spans, (NO_POLICY,) * len(spans))))
         return options + [Option(PLAIN, refs) for refs in self.inner]
 
     def solve(self, limit: Optional[float]) -> Optional[Solution]:
