@@ -150,7 +150,16 @@ def test_nested_inputs_converted_as_keras_does(build, mode):
         assert ours[2].dtype == plain[2].dtype, str(plan)
         assert_all_close(ours[2], plain[2])
         assert_all_close(ours[0], plain[0])
-        assert_all_close(ours[1], plain[1], atol=1e-5)
+        assert_all_close(ours[1], plain[1], atol=1e-5, rtol=_gradient_rtol(build, mode))
+
+
+def _gradient_rtol(build, mode):
+    """Float32 rounding, but one float16 rounding of the variables' gradients where
+    XLA computes in float16: the checkpointed program fuses otherwise than the plain
+    one, and on a CPU with AVX512-FP16 XLA's float16 sums then round apart by one
+    unit in the last place (0.5669 against 0.5674, seen on TensorFlow 2.21)."""
+    return 2.0**-10 if mode == "xla" and build in (mixed_float16, mixed_float16_read_twice) \
+        else 1e-5
 
 
 @pytest.mark.parametrize("build", MODELS, ids=[b.__name__ for b in MODELS])
