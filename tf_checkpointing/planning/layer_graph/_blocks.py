@@ -3,7 +3,9 @@
 ``apply_checkpointing(model, [Block])`` checkpoints every call of a layer class
 one by one. Where a model's repeated blocks are calls of its layer graph (a
 keras_hub GPT-2's decoder blocks), that selection is a set of regions of the
-graph: :func:`block_spans`. Where they run inside one layer that holds them
+graph: :func:`block_spans`; a model of Keras layers has its blocks by layer name
+(:func:`named_block_spans`, ``conv2_block1_*``) and its pieces between residual
+joins (:func:`segment_spans`). Where they run inside one layer that holds them
 (keras_hub's ``ViTEncoder`` runs its ``ViTEncoderBlock`` s in a Python loop, a
 custom stack keeps ``self.blocks = [Block() for _ in range(8)]``), the graph sees
 that layer as one call: no region can reach inside it, and the least region plan

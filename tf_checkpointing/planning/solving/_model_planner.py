@@ -50,7 +50,7 @@ def _plan(graph: LayerGraph, inputs: Any, budget: Budget, *, mode: str,
           runner: PlanRunner, policies: tuple[Any, ...]) -> ModelPlan:
     with nothing_left(), _progress.planning(f"`{graph.model.name}`"):
         planning = Planning.start(graph, inputs, None if budget == LEAST else int(budget),
-                                   mode=mode, runner=runner, policies=policies)
+                                  mode=mode, runner=runner, policies=policies)
         if planning.budget is None:
             return _least_plan(planning)
         return _budget_plan(planning, planning.budget)

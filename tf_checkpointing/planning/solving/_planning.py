@@ -141,10 +141,10 @@ class Planning:
         self.least_replay = (anchor.least_seconds,
                              self.region_model.extra_work(least.spans, least.policies))
         for option, step in ((Option(PLAIN), StepReading(anchor.plain_bytes,
-                                                           anchor.plain_seconds)),
+                                                         anchor.plain_seconds)),
                              (Option(least), StepReading(anchor.least_bytes,
-                                                          anchor.least_seconds))):
-            measured_step(self.key, (self.mode, memo_key(option)), lambda step=step: step)
+                                                         anchor.least_seconds))):
+            measured_step(self.key, (self.mode, _memo_key(option)), lambda step=step: step)
         if not anchor.helps:
             self.least = Solution(least.value, (), ())
 
@@ -178,7 +178,7 @@ class Planning:
     def measured(self, option: Option) -> StepReading:
         """The step run by ``option``, measured (once per profile)."""
         blocks = {"blocks": option.blocks} if option.blocks else {}
-        return measured_step(self.key, (self.mode, memo_key(option)), lambda: measure_plan(
+        return measured_step(self.key, (self.mode, _memo_key(option)), lambda: measure_plan(
             self.graph, self.inputs, self.runner, option.solution.spans,
             self.policies_of(option.solution.policies), mode=self.mode, **blocks))
 
@@ -247,10 +247,10 @@ class Planning:
                               for (i, _), layer in zip(option.blocks, layers)))
 
 
-PLAIN = Solution(0.0, (), ())
+PLAIN = Solution(0.0, (), ())  # the plan that checkpoints nothing
 
 
-def memo_key(option: Option) -> tuple:
+def _memo_key(option: Option) -> tuple:
     """What a measured step depends on: regions, their policies, blocks."""
     policies = tuple(NO_POLICY if p is None else p for p in option.solution.policies)
     policies = policies if any(p != NO_POLICY for p in policies) else ()
