@@ -82,9 +82,10 @@ def segment_spans(graph: LayerGraph, min_calls: int = _MIN_SEGMENT) -> tuple:
     """The model cut where one floating tensor alone is alive (a residual block's
     input, which both its branch and its skip read), each piece of at least
     ``min_calls`` calls (shorter ones join the piece before) as a region, the
-    calls after the last cut (the head) plain: the per-block selection a user
-    writes by layer-name prefix for ``keras.applications`` models, as regions.
-    () when the model has fewer than two such pieces.
+    calls after the last cut (the head) plain: close to the per-block selection
+    a user writes by layer-name prefix (:func:`named_block_spans` is that one),
+    but cut where the graph allows, whatever the names. () when the model has
+    fewer than two such pieces.
 
         >>> import keras
         >>> from tf_checkpointing.planning.layer_graph._layer_graph import read_graph
