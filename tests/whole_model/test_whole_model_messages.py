@@ -123,11 +123,13 @@ def test_a_budget_below_the_least_is_a_typed_error_worded_by_the_api_called():
         tc.plan_model(model, batch, budget=least - 1, mode="eager")
     assert (caught.value.budget, caught.value.least) == (least - 1, least)
     # Planned ahead, the budget is refused at once (see the test below); forgotten,
-    # it is planned, and refused, in the first training call.
+    # it is planned, and refused, in the first training call. Planned again, an
+    # eager step's least can read a few bytes lower (the allocator's state differs),
+    # so this budget is well below it.
     from tf_checkpointing.planning import clear_caches
 
     clear_caches()
-    tc.apply_checkpointing(model, budget=least - 1)
+    tc.apply_checkpointing(model, budget=least // 2)
     # (Keras puts "Exception encountered when calling ..." before it, keeping the type.)
     with pytest.raises(BudgetTooLow, match=r"apply_checkpointing: argument `budget` is "
                                            r"below.*Raise the budget"):
