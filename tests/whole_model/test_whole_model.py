@@ -358,6 +358,49 @@ def test_an_xla_plan_that_measures_above_its_budget_is_chosen_again():
     assert fitted.predict(250) == 400.0 and fitted.model_limit(325.0) == 150.0
 
 
+def test_an_xla_budget_takes_the_least_work_of_every_plan_measured_that_fits_it():
+    """Budgets planned one after another (a sweep from plain down) share the
+    measured plans: a plan measured for a higher budget that fits a lower one,
+    and recomputes less than what the curve offers there, is taken without
+    being compiled again; so a lower budget's plan never peaks higher for
+    nothing (the U-Net's XLA sweep read 30.9 MiB at a budget of 35.9 after
+    25.5 at 38.0, and 23.9 at 27.5 after 21.4 at 29.6)."""
+    from tf_checkpointing.planning.solving._region_solver import Solution
+    from tf_checkpointing.planning.solving._xla import XlaAnchor, plan_within
+
+    anchor = XlaAnchor(model_least=100, model_plain=400, least_bytes=250, plain_bytes=400)
+    # Model peak -> (XLA peak, work): the plan at 200 recomputes least of those
+    # below plain, and the curve never offers it.
+    plans = {150: (300.0, 5.0), 200: (280.0, 1.0), 250: (330.0, 3.0), 300: (390.0, 2.0)}
+    offered = iter([150, 250, 200, 300, 150])
+    measured = []
+
+    def solve_for(limit):
+        g = next(offered)
+        return Solution(g, ((0, g, ()),), ())
+
+    def measure(spans, chosen):
+        measured.append(spans[0][1])
+        return plans[spans[0][1]][0]
+
+    def work(spans, policies):
+        return plans[spans[0][1]][1]
+
+    found, peak, anchor = plan_within(None, anchor, 350.0, solve_for, measure, tries=2,
+                                      used=1.0, work=work)
+    assert measured == [150, 250] and (found.value, peak) == (250, 330)
+    # The plan at 300 measures above this budget: the one at 200 fits, with the least work.
+    found, peak, anchor = plan_within(None, anchor, 320.0, solve_for, measure, tries=2,
+                                      used=1.0, work=work)
+    assert measured == [150, 250, 200, 300] and (found.value, peak) == (200, 280)
+    # A lower budget offered the plan at 150 (measured before: not compiled again),
+    # and the one at 200 measured for the budget above fits it: least work.
+    offered = iter([150])
+    found, peak, _ = plan_within(None, anchor, 300.0, solve_for, measure, tries=1,
+                                 used=1.0, work=work)
+    assert measured == [150, 250, 200, 300] and (found.value, peak) == (200, 280)
+
+
 def test_an_xla_plan_far_below_its_budget_is_chosen_again_keeping_more():
     """Where XLA's peak falls below the anchors' line (ResNet50's halfway plan
     measured 0.57x its budget, and recomputed what the budget had room to keep),

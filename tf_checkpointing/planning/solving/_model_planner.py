@@ -147,5 +147,6 @@ def _regions_within(planning: Planning, usable: float) -> tuple[Optional[Solutio
     # Chosen on the measured curve, and measured (see _xla.plan_within).
     found, measured, planning.anchor = plan_within(
         planning.key, planning.anchor, usable, solve_for,
-        lambda spans, chosen: planning.measure(Option(Solution(0.0, spans, chosen))))
+        lambda spans, chosen: planning.measure(Option(Solution(0.0, spans, chosen))),
+        work=model.extra_work)
     return found, measured

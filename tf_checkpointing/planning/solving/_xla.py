@@ -99,6 +99,8 @@ class XlaAnchor:
     points: tuple[tuple[float, float], ...] = ()
     plain_seconds: Optional[float] = None
     least_seconds: Optional[float] = None
+    # Every plan measured for a budget: (spans, policies, model bytes, XLA bytes).
+    plans: tuple[tuple[tuple, tuple, float, float], ...] = ()
 
     @property
     def helps(self) -> bool:
@@ -119,6 +121,17 @@ class XlaAnchor:
             return self
         return dataclasses.replace(self, points=(*self.points, (float(model_bytes),
                                                                 float(xla_bytes))))
+
+    def with_plan(self, found: Solution, xla_bytes: float) -> XlaAnchor:
+        """:meth:`with_point` for the plan ``found`` (its ``value`` its model
+        peak), the plan kept too: a later budget it fits can take it unmeasured."""
+        anchor = self.with_point(found.value, xla_bytes)
+        return dataclasses.replace(anchor, plans=(
+            *anchor.plans, (found.spans, found.policies, float(found.value), float(xla_bytes))))
+
+    def measured(self, spans: tuple, policies: tuple) -> Optional[float]:
+        """The XLA peak measured for the plan of ``spans`` under ``policies``, or None."""
+        return next((xla for s, p, _, xla in self.plans if (s, p) == (spans, policies)), None)
 
     def _curve(self) -> tuple[list[float], list[float]]:
         """The curve's knots: model peaks (increasing) and XLA peaks (non-decreasing)."""
@@ -287,35 +300,54 @@ class XlaChoice(NamedTuple):
 def plan_within(key: Any, anchor: XlaAnchor, usable: float,
                 solve_for: Callable[[float], Optional[Solution]],
                 measure_spans: Callable[[tuple, tuple], int],
-                tries: int = 3, *, used: float = _USED) -> XlaChoice:
+                tries: int = 3, *, used: float = _USED,
+                work: Optional[Callable[[tuple, tuple], float]] = None) -> XlaChoice:
     """The plan for an XLA budget of ``usable`` bytes, checked by measuring it.
 
     ``solve_for(limit)`` returns the plan with the least recomputation whose
     model peak (its ``value``) fits ``limit``, or None; ``measure_spans``
     compiles and measures a plan's XLA step. Each measured plan becomes a point
     of the anchor (kept for ``key``, so later budgets start from the corrected
-    curve). A plan that measured above ``usable`` is chosen again on the
-    corrected curve; so is one that used less than ``used`` of it (the curve
-    was above the step, and a plan keeping more recomputes less); up to
-    ``tries`` plans are measured, and the last that fit is chosen."""
-    fitting: Optional[tuple[Solution, int]] = None
-    measured_spans: set = set()
+    curve), and is kept with it: a plan measured before is not measured again.
+    A plan that measured above ``usable`` is chosen again on the corrected
+    curve; so is one that used less than ``used`` of it (the curve was above
+    the step, and a plan keeping more recomputes less); up to ``tries`` plans
+    are measured.
+
+    Of the plans that fit, the last one found is chosen; with ``work`` (a plan's
+    recomputation, from its spans and policies), the one of least work among
+    every plan measured for ``key`` that fits, ties to the lower peak: a budget
+    never takes a plan that recomputes more than one measured for another budget
+    that fits it too (see docs/decisions/0045-xla-budgets-share-measured-plans.md)."""
+    fitting: Optional[tuple[Solution, float]] = None
+    tried: set = set()
     for _ in range(tries):
         found = solve_for(anchor.model_limit(usable))
         if found is None or not found.spans:
-            return XlaChoice(found, None, anchor) if fitting is None else XlaChoice(
-                *fitting, anchor)
-        if found.spans in measured_spans:  # the corrected curve chose it again
+            if fitting is None:
+                return XlaChoice(found, None, anchor)
             break
-        measured_spans.add(found.spans)
-        measured = measure_spans(found.spans, found.policies)
-        anchor = anchor.with_point(found.value, measured)
-        if key in _model_anchors:
-            _model_anchors[key] = anchor
+        if (found.spans, found.policies) in tried:  # the corrected curve chose it again
+            break
+        tried.add((found.spans, found.policies))
+        measured = anchor.measured(found.spans, found.policies)
+        if measured is None:
+            measured = measure_spans(found.spans, found.policies)
+            anchor = anchor.with_plan(found, measured)
+            if key in _model_anchors:
+                _model_anchors[key] = anchor
         if measured <= usable:
             fitting = (found, measured)
             if measured >= used * usable:
                 break
+    if work is not None:
+        fits = [(work(spans, policies), xla, Solution(model, spans, policies))
+                for spans, policies, model, xla in anchor.plans if xla <= usable]
+        if fits:
+            least = min(w for w, _, _ in fits)
+            _, xla, solution = min((item for item in fits if item[0] <= least * (1 + 1e-9)),
+                                   key=lambda item: item[1])
+            fitting = (solution, xla)
     if fitting is not None:
-        return XlaChoice(*fitting, anchor)
+        return XlaChoice(fitting[0], int(fitting[1]), anchor)
     return XlaChoice(None, None, anchor)
