@@ -149,6 +149,12 @@ def table(rows: list[dict]) -> str:
         base, base_s = max(plain["peaks_mib"]), plain["step_seconds"]
         lines.append(f"| {model} | {mode_name} | plain | - | {_mib(base)} | - | "
                      f"{_mib(statistics.median(plain['peaks_mib']))} | - | 1.00x | - |")
+        for r in group:
+            if r["budget_mib"] is not None and "error" in r:
+                lines.append(f"| {model} | {mode_name} | {_mib(r['budget_mib'])} | "
+                             f"failed: {r['error']} |||||||")
+                targets.append(f"- {model} {mode_name}: the budget of {_mib(r['budget_mib'])} "
+                               f"MiB trains: NOT met ({r['error']})")
         for r in budgets:
             peak = max(r["peaks_mib"])
             predicted = r.get("predicted_step_s")
@@ -181,12 +187,18 @@ def table(rows: list[dict]) -> str:
 def write(rows: list[dict], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "budget_sweep.json").write_text(json.dumps(rows, indent=1) + "\n")
-    (out / "budget_sweep.md").write_text(
-        "# Ten budgets from the least to plain's peak, through Keras\n\n"
-        "Written by `benchmarks/whole_model/budget_sweep.py` (what it does: its docstring). "
-        "Peaks in MiB (BFC allocator, above what was allocated before the step), the "
-        "largest of three steps after the planning one; step times the median of five, "
-        "against plain's in the same process.\n\n" + table(rows))
+    (out / "budget_sweep.md").write_text(report(rows))
+
+
+def report(rows: list[dict]) -> str:
+    """The Markdown page: its title, what it measures, the table and targets."""
+    return ("# Ten budgets from the least to plain's peak, through Keras\n\n"
+            "Written by `benchmarks/whole_model/budget_sweep.py` (what it does: its "
+            "docstring). Each budget a training run in a fresh process. Peaks in MiB (BFC "
+            "allocator, above what was allocated before the step) of the five steps after "
+            "the planning one: the largest against the budget, the median against the other "
+            "budgets. Step times the median of five, against plain's process.\n\n"
+            + table(rows))
 
 
 def _run(name: str, mode: str, tiny: bool, budget: Optional[int]) -> dict:
@@ -194,9 +206,12 @@ def _run(name: str, mode: str, tiny: bool, budget: Optional[int]) -> dict:
     done = subprocess.run(command + (["--tiny"] if tiny else []), capture_output=True,
                           text=True, check=False)
     if done.returncode != 0:
+        # The error's own line: Keras puts the arguments it was called with after it.
+        lines = done.stderr.strip().splitlines() or ["?"]
+        said = [line for line in lines if "argument `" in line or line.endswith("Error")]
         return {"model": name, "mode": mode,
                 "budget_mib": None if budget is None else budget / 2**20,
-                "error": done.stderr.strip().splitlines()[-1][:300] if done.stderr else "?"}
+                "error": (said or lines)[-1].strip()[:400]}
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

@@ -203,7 +203,7 @@ def test_committed_results_markdown_is_their_json(name):
 def test_committed_family_results_markdown_is_their_json():
     from benchmarks.chain import core
     from benchmarks.harness import RunResult
-    from benchmarks.whole_model import applications_sweep
+    from benchmarks.whole_model import applications_sweep, budget_sweep
     from benchmarks.whole_model import report as whole_model_report
 
     results = REPO / "benchmarks/results"
@@ -215,6 +215,8 @@ def test_committed_family_results_markdown_is_their_json():
     assert applications_sweep.report(rows) == (results / "applications_sweep.md").read_text()
     rows = json.loads((results / "whole_model.json").read_text())
     assert whole_model_report.markdown_table(rows) in (results / "whole_model.md").read_text()
+    rows = json.loads((results / "budget_sweep.json").read_text())
+    assert budget_sweep.report(rows) == (results / "budget_sweep.md").read_text()
 
 
 def test_least_plan_against_the_blocks_compares_the_plans_before_their_peaks():
@@ -235,3 +237,14 @@ def test_least_plan_against_the_blocks_compares_the_plans_before_their_peaks():
     assert same[2] and "one plan" in same[1]  # the same regions: the op order's noise
     assert not check(keeping, 53.4)[2]  # another plan (a region keeps its norms): peaks
     assert check(keeping, 52.0, xla=True)[2] and "XLA" in check(keeping, 52.0, xla=True)[0]
+
+
+@pytest.mark.parametrize("module_name", ["benchmarks.whole_model.budget_sweep",
+                                         "benchmarks.whole_model.user_path_report"])
+def test_report_examples_run(module_name):
+    """The examples in the reports' docstrings run as written (they need no TensorFlow)."""
+    import doctest
+    import importlib
+
+    failed, attempted = doctest.testmod(importlib.import_module(module_name))
+    assert attempted and not failed
