@@ -399,6 +399,11 @@ def test_an_xla_budget_takes_the_least_work_of_every_plan_measured_that_fits_it(
     found, peak, _ = plan_within(None, anchor, 300.0, solve_for, measure, tries=1,
                                  used=1.0, work=work)
     assert measured == [150, 250, 200, 300] and (found.value, peak) == (200, 280)
+    # Where the curve offers nothing, a kept plan that fits is still taken (not the
+    # least plan, which recomputes most).
+    found, peak, _ = plan_within(None, anchor, 290.0, lambda limit: None, measure,
+                                 work=work)
+    assert (found.value, peak) == (200, 280)
 
 
 def test_an_xla_plan_far_below_its_budget_is_chosen_again_keeping_more():

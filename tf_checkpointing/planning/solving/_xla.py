@@ -324,9 +324,9 @@ def plan_within(key: Any, anchor: XlaAnchor, usable: float,
     for _ in range(tries):
         found = solve_for(anchor.model_limit(usable))
         if found is None or not found.spans:
-            if fitting is None:
+            if found is not None and fitting is None:  # plain fits, by the curve
                 return XlaChoice(found, None, anchor)
-            break
+            break  # (nothing fits the curve: a kept plan may still fit the budget)
         if (found.spans, found.policies) in tried:  # the corrected curve chose it again
             break
         tried.add((found.spans, found.policies))
