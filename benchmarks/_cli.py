@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import os
+import subprocess
 import sys
 from argparse import ArgumentParser, Namespace
 from collections.abc import Iterator
@@ -71,3 +73,15 @@ def output_dir(args: Namespace) -> Path:
     if args.update_results:
         return COMMITTED
     return args.out if args.out is not None else LATEST
+
+
+def worker_result(command: list[str]) -> dict:
+    """Runs a benchmark's worker process: the JSON of its last stdout line, or, where
+    it failed, ``{"error": ...}`` holding the error's own line (Keras prints the
+    arguments a layer was called with after it)."""
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode == 0:
+        return json.loads(done.stdout.strip().splitlines()[-1])
+    lines = done.stderr.strip().splitlines() or ["?"]
+    said = [line for line in lines if "argument `" in line or line.endswith("Error")]
+    return {"error": (said or lines)[-1].strip()[:400]}

@@ -30,7 +30,6 @@ import argparse
 import hashlib
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -203,16 +202,8 @@ def report(rows: list[dict]) -> str:
 
 def _run(name: str, mode: str, tiny: bool, budget: Optional[int]) -> dict:
     command = [sys.executable, __file__, "--worker", name, mode, str(budget)]
-    done = subprocess.run(command + (["--tiny"] if tiny else []), capture_output=True,
-                          text=True, check=False)
-    if done.returncode != 0:
-        # The error's own line: Keras puts the arguments it was called with after it.
-        lines = done.stderr.strip().splitlines() or ["?"]
-        said = [line for line in lines if "argument `" in line or line.endswith("Error")]
-        return {"model": name, "mode": mode,
-                "budget_mib": None if budget is None else budget / 2**20,
-                "error": (said or lines)[-1].strip()[:400]}
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return {"model": name, "mode": mode, "budget_mib": None if budget is None else budget / 2**20,
+            **_cli.worker_result(command + (["--tiny"] if tiny else []))}
 
 
 def main(argv: list[str] | None = None) -> None:

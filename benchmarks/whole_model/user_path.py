@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -221,11 +220,7 @@ def _profile_forward_seconds() -> float:
 
 def _run(name: str, mode: str, strategy: str) -> dict:
     command = [sys.executable, __file__, "--worker", name, mode, strategy]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        return {"model": name, "mode": mode, "strategy": strategy,
-                "error": done.stderr.strip().splitlines()[-1][:300] if done.stderr else "?"}
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return {"model": name, "mode": mode, "strategy": strategy, **_cli.worker_result(command)}
 
 
 def main(argv: list[str] | None = None) -> None:
