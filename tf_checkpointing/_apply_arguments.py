@@ -30,7 +30,7 @@ from tf_checkpointing.planning.layer_graph._layer_graph import (
 )
 from tf_checkpointing.planning.measuring._allocator import expect_statistics
 from tf_checkpointing.planning.measuring._choices import expect_policies
-from tf_checkpointing.planning.plans._budget import Budget, expect_budget
+from tf_checkpointing.planning.plans._budget import Budget, below_least, expect_budget
 from tf_checkpointing.planning.plans._plan import ModelPlan
 from tf_checkpointing.planning.plans._plan_files import expect_folder
 from tf_checkpointing.planning.plans._reuse import plans_made_ahead
@@ -166,7 +166,7 @@ def _refuse_what_plans_made_ahead_rule_out(model: Any, budget: Any,
     known = [(plan.min_budget_bytes, made_for, specs)
              for made_for, specs, plan in plans_made_ahead(model, policies)
              if plan.min_budget_bytes and (mode is None or made_for == mode)]
-    if not known or budget >= min(least for least, _, _ in known):
+    if not known or not below_least(budget, min(least for least, _, _ in known)):
         return
     least, made_for, specs = min(known, key=lambda item: item[0])
     shapes = ", ".join(str(tuple(spec.shape)) for spec in specs)

@@ -23,6 +23,12 @@ CHUNKS = 1.10
 # again on the curve through its measurement: one that keeps more recomputes less
 # (docs/decisions/0023-xla-plans.md).
 XLA_BUDGET_USED = 0.85
+# A budget at most this share below the least budget (the least plan's predicted peak
+# plus HEADROOM) gets the least plan instead of an error: the least is read from one
+# process's profile, and another process reads it a few percent apart, so a least
+# reported by plan_model in one process may be refused in the next. The least plan
+# still fits such a budget with half the headroom (docs/decisions/0046-least-budget-slack.md).
+LEAST_BUDGET_SLACK = 0.05
 # A budget below this many bytes is a unit slip (MiB, GiB): no training step fits.
 LEAST_BYTES = 1024
 # A user's selection of regions is measured (a compiled step) only where its

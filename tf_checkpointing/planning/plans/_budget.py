@@ -14,11 +14,13 @@ from typing import Any, Literal, Union
 
 import numpy as np
 
+from tf_checkpointing.planning._constants import LEAST_BUDGET_SLACK
+
 # _LEAST_BYTES: a smaller budget is a unit slip (MiB, GiB), not bytes.
 from tf_checkpointing.planning._constants import LEAST_BYTES as _LEAST_BYTES
 from tf_checkpointing.planning._errors import PlanningTypeError, PlanningValueError
 
-__all__ = ["Budget", "LEAST", "expect_budget"]
+__all__ = ["Budget", "LEAST", "below_least", "expect_budget"]
 
 LEAST = "min"
 """The budget that asks for the least memory any plan needs."""
@@ -36,6 +38,19 @@ _BUDGET_ALTERNATIVES = {
     "apply_checkpointing": ', budget="min", or no budget (select=[...layer names...] to '
                            'choose the layers yourself)',
 }
+
+
+def below_least(budget: int, min_budget: int) -> bool:
+    """Whether a budget of bytes is refused against a plan's least budget
+    (``min_budget_bytes``): below it by more than ``LEAST_BUDGET_SLACK``, since a
+    least reported in one process reads a few percent apart in another. A budget
+    within the slack gets the least plan (docs/decisions/0046-least-budget-slack.md).
+
+        >>> from tf_checkpointing.planning.plans._budget import below_least
+        >>> below_least(97 * 2**20, 100 * 2**20), below_least(94 * 2**20, 100 * 2**20)
+        (False, True)
+    """
+    return budget < min_budget * (1 - LEAST_BUDGET_SLACK)
 
 
 def expect_budget(budget: Any) -> Budget:

@@ -86,8 +86,9 @@ class Plan:
         predicted_peak_bytes: the step's peak above what is allocated before it,
             as the planner predicts it.
         plain_peak_bytes: the measured peak of the step without checkpointing.
-        min_budget_bytes: the least budget accepted: the least predicted peak of
-            any plan, plus headroom for the allocator.
+        min_budget_bytes: the least budget: the least predicted peak of any
+            plan, plus headroom for the allocator. A budget up to 5% below it
+            gets the least plan (docs/decisions/0046-least-budget-slack.md).
         policies: the save policies the planner could choose per region; empty
             when it chose only between plain and full replays.
         predicted_extra_seconds: the replay time per step the plan adds, as the

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Optional
 
-from tf_checkpointing.planning._constants import HEADROOM
+from tf_checkpointing.planning._constants import HEADROOM, LEAST_BUDGET_SLACK
 
 __all__ = ["model_plan_text", "plan_text", "policy_name"]
 
@@ -77,8 +77,9 @@ def _budget_text(plan: Any) -> str:
                  f"plain step's measured {_mib(plan.plain_peak_bytes)})")
     else:
         text += f" (plain step {_mib(plan.plain_peak_bytes)})"
-    return text + (f"; smallest budget accepted {_mib(plan.min_budget_bytes)} (a plan's "
-                   f"predicted peak stays within {1 - HEADROOM:.0%} of its budget)")
+    return text + (f"; least budget {_mib(plan.min_budget_bytes)} (a plan's predicted peak "
+                   f"stays within {1 - HEADROOM:.0%} of its budget; up to "
+                   f"{LEAST_BUDGET_SLACK:.0%} below it, the least plan)")
 
 
 def _mib(n: Optional[int]) -> str:

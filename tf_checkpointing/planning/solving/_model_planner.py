@@ -20,7 +20,7 @@ from tf_checkpointing.planning.layer_graph._blocks import sublayers
 from tf_checkpointing.planning.layer_graph._layer_graph import LayerGraph
 from tf_checkpointing.planning.measuring import _progress
 from tf_checkpointing.planning.measuring._leave_no_trace import nothing_left
-from tf_checkpointing.planning.plans._budget import LEAST, Budget
+from tf_checkpointing.planning.plans._budget import LEAST, Budget, below_least
 from tf_checkpointing.planning.plans._plan import ModelPlan, PlanRunner
 from tf_checkpointing.planning.solving._planning import PLAIN, Option, Planning
 from tf_checkpointing.planning.solving._region_solver import Solution
@@ -56,7 +56,7 @@ def _plan(graph: LayerGraph, inputs: Any, budget: Budget, *, mode: str,
         return _budget_plan(planning, planning.budget)
 
 
-def _least_plan(planning: Planning) -> ModelPlan:
+def _least_plan(planning: Planning, *, warn: bool = True) -> ModelPlan:
     """The least memory: the least region plan, or, where the model repeats a
     block of its own, whichever of it and the blocks checkpointed one by one
     (``apply_checkpointing(model, [Block])``) measures lower: the model's errors
@@ -73,7 +73,7 @@ def _least_plan(planning: Planning) -> ModelPlan:
         peaks = [planning.measure(option) for option in options]
         best = min(range(len(options)), key=lambda k: peaks[k])  # the first of equals
         chosen, peak = options[best], peaks[best]
-    if not chosen.solution.spans and not chosen.blocks:
+    if warn and not chosen.solution.spans and not chosen.blocks:
         _warn_nothing_to_save(planning)
     return planning.plan(chosen, predicted=peak)
 
@@ -108,7 +108,7 @@ def _budget_plan(planning: Planning, budget: int) -> ModelPlan:
     if budget >= planning.plain_peak:
         return planning.plan(Option(PLAIN))
     min_budget = planning.min_budget()
-    if budget < min_budget:
+    if below_least(budget, min_budget):
         raise BudgetTooLow(  # the API the user called names itself (see planning._errors)
             "argument `budget` is below the least memory any plan of "
             f"`{planning.graph.model.name}` needs (its least predicted peak, plus "
@@ -116,6 +116,10 @@ def _budget_plan(planning: Planning, budget: int) -> ModelPlan:
             f"({min_budget / 2**20:.2f} MiB), received budget={budget} "
             f"({budget / 2**20:.2f} MiB). Raise the budget, pass budget='min', or use a "
             "smaller batch.", budget=budget, least=min_budget)
+    if budget < min_budget:
+        # Within the slack below the least (another process's reading of it): the
+        # least plan, which fits such a budget with most of the headroom.
+        return _least_plan(planning, warn=False)
     usable = budget * (1 - _HEADROOM)
     if planning.predict(planning.least.value) <= usable:
         found, measured = _regions_within(planning, usable)

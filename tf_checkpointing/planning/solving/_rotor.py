@@ -36,6 +36,7 @@ from tf_checkpointing.planning._constants import ROTOR_MIN_UNITS, ROTOR_TABLE_CE
 from tf_checkpointing.planning._errors import BudgetTooLow
 from tf_checkpointing.planning.measuring._choices import PolicyChoices
 from tf_checkpointing.planning.measuring._layer_profile import ChainProfile
+from tf_checkpointing.planning.plans._budget import below_least
 from tf_checkpointing.planning.plans._plan import Segment, SequentialPlan
 from tf_checkpointing.planning.solving._chain_costs import Chain, extra_seconds, fitted_chain, peak
 
@@ -82,7 +83,7 @@ def solve(profile: ChainProfile, budget: Union[int, str], *,
     budget = int(budget)
     if budget >= plain_peak:
         return plan
-    if budget < min_budget:
+    if below_least(budget, min_budget):
         raise BudgetTooLow(
             "argument `budget` is below the least memory any checkpointing "
             f"schedule of these {n} layers needs (its least peak, plus "
