@@ -14,9 +14,8 @@ from typing import Any, Literal, Union
 
 import numpy as np
 
-from tf_checkpointing.planning._constants import LEAST_BUDGET_SLACK
-
 # _LEAST_BYTES: a smaller budget is a unit slip (MiB, GiB), not bytes.
+from tf_checkpointing.planning._constants import LEAST_BUDGET_SLACK
 from tf_checkpointing.planning._constants import LEAST_BYTES as _LEAST_BYTES
 from tf_checkpointing.planning._errors import PlanningTypeError, PlanningValueError
 
