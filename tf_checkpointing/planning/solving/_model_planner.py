@@ -62,7 +62,8 @@ def _least_plan(planning: Planning, *, warn: bool = True) -> ModelPlan:
     (``apply_checkpointing(model, [Block])``) measures lower: the model's errors
     can put its least plan there (see docs/decisions/0021-least-plan-against-the-blocks.md),
     and no region reaches the blocks inside a call. ``warn``: say so where the least
-    plan is the plain model (not for a budget in bytes, which asked for no saving)."""
+    plan is the plain model (not for a budget in bytes within the slack below the
+    least, which the plain step is taken to fit, as a budget above it would)."""
     least = planning.least
     if least.spans and planning.predict(planning.region_model.peak(
             least.spans, policies=least.policies)) >= planning.plain_peak:
