@@ -323,6 +323,22 @@ def test_budget_below_the_minimum_names_the_minimum():
         solve(profile, within - 1)
 
 
+def test_plain_is_the_plan_where_it_fits_with_the_headroom_in_a_graph():
+    """An eager (or XLA) step reads the same peak each time: a budget at plain's
+    peak is plain. A graph's steps peak where the executor's order puts them:
+    plain must fit the budget with the headroom every plan keeps, or the least
+    work that does is planned."""
+    from tf_checkpointing.planning.measuring._modes import Mode
+
+    eager = _synthetic([1000] * 9, [4000] * 8, [1.0] * 8)
+    graph = dataclasses.replace(eager, mode=Mode.GRAPH)
+    plain = eager.plain_peak_bytes
+    assert solve(eager, plain).regions == []
+    at_plain = solve(graph, plain)
+    assert at_plain.regions and at_plain.predicted_peak_bytes <= 0.9 * plain + 1, str(at_plain)
+    assert solve(graph, math.ceil(plain / 0.9)).regions == []
+
+
 def test_cpu_planning_without_allocator_statistics_says_how_to_enable_them(monkeypatch):
     if tf.config.list_logical_devices("GPU"):
         pytest.skip("plans on the GPU, whose allocator always keeps statistics")

@@ -20,7 +20,7 @@ from tf_checkpointing.planning.layer_graph._blocks import sublayers
 from tf_checkpointing.planning.layer_graph._layer_graph import LayerGraph
 from tf_checkpointing.planning.measuring import _progress
 from tf_checkpointing.planning.measuring._leave_no_trace import nothing_left
-from tf_checkpointing.planning.plans._budget import LEAST, Budget, below_least
+from tf_checkpointing.planning.plans._budget import LEAST, Budget, below_least, plain_fits
 from tf_checkpointing.planning.plans._plan import ModelPlan, PlanRunner
 from tf_checkpointing.planning.solving._planning import PLAIN, Option, Planning
 from tf_checkpointing.planning.solving._region_solver import Solution
@@ -107,7 +107,7 @@ def _warn_nothing_to_save(planning: Planning) -> None:
 def _budget_plan(planning: Planning, budget: int) -> ModelPlan:
     """The least recomputation whose predicted peak fits ``budget``: regions
     where they can fit it, else the blocks inside calls checkpointed one by one."""
-    if budget >= planning.plain_peak:
+    if plain_fits(budget, planning.plain_peak, planning.mode):
         return planning.plan(Option(PLAIN))
     min_budget = planning.min_budget()
     if below_least(budget, min_budget):
@@ -129,9 +129,15 @@ def _budget_plan(planning: Planning, budget: int) -> ModelPlan:
                              predicted=measured)
     # No region plan fits, a user's selection does: the one that keeps the most
     # (recomputes least).
-    fitting = [(planning.measure(option), k, option)
-               for k, option in enumerate(planning.selections())]
-    peak, _, option = max(item for item in fitting if item[0] <= usable)
+    fitting = [(peak, k, option) for peak, k, option in
+               ((planning.measure(option), k, option)
+                for k, option in enumerate(planning.selections())) if peak <= usable]
+    if not fitting:
+        # Only above plain's peak, where the least budget is plain's own (no plan
+        # keeps less with the headroom) and plain does not fit it with the headroom
+        # (see plain_fits): plain, which keeps no more than the least plan.
+        return planning.plan(Option(PLAIN))
+    peak, _, option = max(fitting)
     return planning.plan(option, predicted=peak)
 
 

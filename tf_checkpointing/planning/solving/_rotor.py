@@ -36,7 +36,7 @@ from tf_checkpointing.planning._constants import ROTOR_MIN_UNITS, ROTOR_TABLE_CE
 from tf_checkpointing.planning._errors import BudgetTooLow
 from tf_checkpointing.planning.measuring._choices import PolicyChoices
 from tf_checkpointing.planning.measuring._layer_profile import ChainProfile
-from tf_checkpointing.planning.plans._budget import below_least
+from tf_checkpointing.planning.plans._budget import below_least, plain_fits
 from tf_checkpointing.planning.plans._plan import Segment, SequentialPlan
 from tf_checkpointing.planning.solving._chain_costs import Chain, extra_seconds, fitted_chain, peak
 
@@ -81,7 +81,7 @@ def solve(profile: ChainProfile, budget: Union[int, str], *,
         return dataclasses.replace(plan, pieces=min_pieces, predicted_peak_bytes=least,
                                    predicted_extra_seconds=extra_seconds(chain, min_pieces))
     budget = int(budget)
-    if budget >= plain_peak:
+    if plain_fits(budget, plain_peak, mode):
         return plan
     if below_least(budget, min_budget):
         raise BudgetTooLow(
@@ -95,7 +95,10 @@ def solve(profile: ChainProfile, budget: Union[int, str], *,
     usable = budget * (1 - _HEADROOM)
     if anchor is not None:
         usable = anchor.model_limit(usable)
-    pieces = _least_work(chain, usable - chain.outside) or min_pieces
+    # Nothing fits: the least plan, or plain where that keeps no less (a budget
+    # above plain's peak that plain does not fit with the headroom, see plain_fits).
+    pieces = _least_work(chain, usable - chain.outside) or (
+        min_pieces if least < plain_peak else plain)
     return dataclasses.replace(
         plan, pieces=pieces,
         predicted_peak_bytes=int(predict(peak(chain, pieces, 0, n) + chain.outside)),
