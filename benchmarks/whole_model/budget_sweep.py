@@ -164,8 +164,10 @@ def table(rows: list[dict]) -> str:
                 f"{_mib(statistics.median(r['peaks_mib']))} | {_mib(r['predicted_mib'])} | "
                 f"{r['step_seconds'] / base_s:.2f}x | "
                 + (f"{predicted / base_s:.2f}x |" if predicted else "- |"))
-        lowest = min(budgets, key=lambda r: r["budget_mib"])
+        lowest = min((r for r in group if r["budget_mib"] is not None),
+                     key=lambda r: r["budget_mib"])
         if "least_mib" in lowest:  # the least budget of plain's process, read again here
+            # (where it failed, its error row says so above)
             targets.append(
                 f"- {model} {mode_name}: the least budget plain's process reported trains: met "
                 f"({_mib(lowest['budget_mib'])} MiB; its own process read "

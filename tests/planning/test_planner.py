@@ -15,6 +15,7 @@ from helpers import Counter, assert_all_close, grads_of
 from tf_checkpointing import CheckpointedSequential, checkpoint_sequential
 from tf_checkpointing.planning._constants import LEAST_BUDGET_SLACK
 from tf_checkpointing.planning.measuring._layer_profile import ChainProfile, LayerProfile
+from tf_checkpointing.planning.measuring._modes import Mode
 from tf_checkpointing.planning.plans._plan import Segment, SequentialPlan
 from tf_checkpointing.planning.solving import _rotor
 from tf_checkpointing.planning.solving._chain_costs import predict_peak
@@ -328,8 +329,6 @@ def test_plain_is_the_plan_where_it_fits_with_the_headroom_in_a_graph():
     peak is plain. A graph's steps peak where the executor's order puts them:
     plain must fit the budget with the headroom every plan keeps, or the least
     work that does is planned."""
-    from tf_checkpointing.planning.measuring._modes import Mode
-
     eager = _synthetic([1000] * 9, [4000] * 8, [1.0] * 8)
     graph = dataclasses.replace(eager, mode=Mode.GRAPH)
     plain = eager.plain_peak_bytes

@@ -57,9 +57,9 @@ def plain_fits(budget: int, plain_peak: int, mode: str) -> bool:
     peak within the budget, and in a ``tf.function`` step (``mode`` "graph")
     within the share of it every plan keeps free (``HEADROOM``). A graph's steps
     peak where the executor's order puts them, and that moves the plain step as
-    much as a checkpointed one: ResNet50's plain step, planned at 461 MiB, read
-    446-506 MiB over five Keras steps at a budget of 476. An XLA step's one
-    buffer, and an eager step's readings, are the same in every step.
+    much as a checkpointed one; an XLA step's one buffer, and an eager step's
+    readings, are the same in every step
+    (docs/decisions/0047-plain-keeps-the-headroom-in-a-graph.md).
 
         >>> from tf_checkpointing.planning.plans._budget import plain_fits
         >>> plain_fits(100, 95, "xla"), plain_fits(100, 95, "graph")

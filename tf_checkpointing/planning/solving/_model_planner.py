@@ -129,9 +129,9 @@ def _budget_plan(planning: Planning, budget: int) -> ModelPlan:
                              predicted=measured)
     # No region plan fits, a user's selection does: the one that keeps the most
     # (recomputes least).
-    fitting = [(peak, k, option) for peak, k, option in
-               ((planning.measure(option), k, option)
-                for k, option in enumerate(planning.selections())) if peak <= usable]
+    measured = [(planning.measure(option), k, option)
+                for k, option in enumerate(planning.selections())]
+    fitting = [item for item in measured if item[0] <= usable]
     if not fitting:
         # Only above plain's peak, where the least budget is plain's own (no plan
         # keeps less with the headroom) and plain does not fit it with the headroom
