@@ -330,118 +330,80 @@ def test_an_xla_least_plan_reports_the_xla_steps_it_enforces():
     assert tc.ModelPlan.from_config(least.to_config()) == least
 
 
-def test_an_xla_plan_that_measures_above_its_budget_is_chosen_again():
-    """XLA's peak is not a line in the model's peak (ResNet50's plans between the
-    least and plain measured up to 24% above it): the plan chosen for a budget
-    is measured, and chosen again on the curve through the measured points."""
+def _xla_planning(xla_peaks: dict, works: dict):
+    """A profile's plans for :func:`plan_within`: a solver that offers, for a
+    model limit, the plan of the largest model peak in ``xla_peaks`` within it,
+    a measurement that records what it compiled, and each plan's work."""
     from tf_checkpointing.planning.solving._region_solver import Solution
-    from tf_checkpointing.planning.solving._xla import XlaAnchor, plan_within
 
-    anchor = XlaAnchor(model_least=100, model_plain=400, least_bytes=250, plain_bytes=400)
-
-    def xla_peak(g):  # steeper than the anchors' line, flat near plain
-        return min(400.0, 250 + 1.5 * (g - 100))
-
-    candidates = [100, 150, 200, 250, 300, 350, 400]  # the plans' model peaks
     measured = []
 
     def solve_for(limit):
-        g = max(c for c in candidates if c <= limit)
-        return Solution(g, ((0, g, ()),), ())
+        g = max((g for g in xla_peaks if g <= limit), default=None)
+        return None if g is None else Solution(g, ((0, g, ()),), ())
 
     def measure(spans, chosen):
         measured.append(spans[0][1])
-        return xla_peak(spans[0][1])
-
-    found, _, fitted = plan_within(None, anchor, 325.0, solve_for, measure)
-    # The line picks the plan at 250 (predicted 325, measured 400); the curve
-    # through that point picks the one at 150, which measures 325.
-    assert measured == [250, 150]
-    assert found.value == 150 and fitted.predict(150) == xla_peak(150) == 325.0
-    assert fitted.predict(250) == 400.0 and fitted.model_limit(325.0) == 150.0
-
-
-def test_an_xla_budget_takes_the_least_work_of_every_plan_measured_that_fits_it():
-    """Budgets planned one after another (a sweep from plain down) share the
-    measured plans: a plan measured for a higher budget that fits a lower one,
-    and recomputes less than what the curve offers there, is taken without
-    being compiled again; so a lower budget's plan never peaks higher for
-    nothing (the U-Net's XLA sweep read 30.9 MiB at a budget of 35.9 after
-    25.5 at 38.0, and 23.9 at 27.5 after 21.4 at 29.6)."""
-    from tf_checkpointing.planning.solving._region_solver import Solution
-    from tf_checkpointing.planning.solving._xla import XlaAnchor, plan_within
-
-    anchor = XlaAnchor(model_least=100, model_plain=400, least_bytes=250, plain_bytes=400)
-    # Model peak -> (XLA peak, work): the plan at 200 recomputes least of those
-    # below plain, and the curve never offers it.
-    plans = {150: (300.0, 5.0), 200: (280.0, 1.0), 250: (330.0, 3.0), 300: (390.0, 2.0)}
-    offered = iter([150, 250, 200, 300, 150])
-    measured = []
-
-    def solve_for(limit):
-        g = next(offered)
-        return Solution(g, ((0, g, ()),), ())
-
-    def measure(spans, chosen):
-        measured.append(spans[0][1])
-        return plans[spans[0][1]][0]
+        return xla_peaks[spans[0][1]]
 
     def work(spans, policies):
-        return plans[spans[0][1]][1]
+        return works[spans[0][1]]
 
-    found, peak, anchor = plan_within(None, anchor, 350.0, solve_for, measure, tries=2,
-                                      used=1.0, work=work)
-    assert measured == [150, 250] and (found.value, peak) == (250, 330)
-    # The plan at 300 measures above this budget: the one at 200 fits, with the least work.
-    found, peak, anchor = plan_within(None, anchor, 320.0, solve_for, measure, tries=2,
-                                      used=1.0, work=work)
-    assert measured == [150, 250, 200, 300] and (found.value, peak) == (200, 280)
-    # A lower budget offered the plan at 150 (measured before: not compiled again),
-    # and the one at 200 measured for the budget above fits it: least work.
-    offered = iter([150])
-    found, peak, _ = plan_within(None, anchor, 300.0, solve_for, measure, tries=1,
-                                 used=1.0, work=work)
-    assert measured == [150, 250, 200, 300] and (found.value, peak) == (200, 280)
-    # Where the curve offers nothing, a kept plan that fits is still taken (not the
-    # least plan, which recomputes most).
-    found, peak, _ = plan_within(None, anchor, 290.0, lambda limit: None, measure,
-                                 work=work)
-    assert (found.value, peak) == (200, 280)
+    return solve_for, measure, work, measured
 
 
-def test_an_xla_plan_far_below_its_budget_is_chosen_again_keeping_more():
-    """Where XLA's peak falls below the anchors' line (ResNet50's halfway plan
-    measured 0.57x its budget, and recomputed what the budget had room to keep),
-    the plan is chosen again on the curve through its measurement; a plan that
-    then measures above the budget is not taken: the last that fit is."""
-    from tf_checkpointing.planning.solving._region_solver import Solution
-    from tf_checkpointing.planning.solving._xla import XlaAnchor, plan_within
+def test_an_xla_budget_climbs_a_ladder_until_a_plan_measures_within_it():
+    """XLA's peak is not a smooth function of the model's (ResNet50's plans
+    between the least and plain measured up to 24% above the anchors' line,
+    MobileNetV2's half of it): the plans of a fixed ladder are compiled and
+    measured, least recomputation first, until one fits; a plan measured for one
+    budget is not compiled again for the next."""
+    from tf_checkpointing.planning.solving._xla import XlaAnchor, ladder, plan_within
 
     anchor = XlaAnchor(model_least=100, model_plain=400, least_bytes=250, plain_bytes=400)
-    candidates = [100, 150, 200, 250, 300, 350, 400]
+    peaks = {150: 300.0, 200: 260.0, 250: 390.0, 300: 330.0, 350: 395.0}
+    works = {g: 400.0 - g for g in peaks}
+    solve_for, measure, work, measured = _xla_planning(peaks, works)
+    # Rungs at model peaks 340, 280, 220, 160: the plans at 300, 250, 200, 150.
+    assert [plan.value for plan in ladder(anchor, solve_for, 4, work)] == [300, 250, 200, 150]
 
-    def solve_for(limit):
-        g = max(c for c in candidates if c <= limit)
-        return Solution(g, ((0, g, ()),), ())
+    found, peak, anchor = plan_within(None, anchor, 340.0, solve_for, measure, work=work)
+    assert measured == [300] and (found.value, peak) == (300, 330)
+    # A lower budget passes the plan at 300 (measured: not compiled again) and the
+    # one at 250 (above it) to the one at 200.
+    found, peak, anchor = plan_within(None, anchor, 320.0, solve_for, measure, work=work)
+    assert measured == [300, 250, 200] and (found.value, peak) == (200, 260)
+    assert anchor.measured(((0, 250, ()),), ()) == 390.0
+    # Nothing on the ladder fits: the caller takes the least plan.
+    found, peak, _ = plan_within(None, anchor, 255.0, solve_for, measure, work=work)
+    assert measured == [300, 250, 200, 150] and (found, peak) == (None, None)
 
-    def run(xla_peak):
-        measured = []
 
-        def measure(spans, chosen):
-            measured.append(spans[0][1])
-            return xla_peak(spans[0][1])
+def test_xla_budgets_peak_no_higher_as_they_fall():
+    """Each budget planned in a process of its own (a fresh anchor), on XLA peaks
+    that jump between plans as MobileNetV2's do (its sweep, searching on a curve
+    aimed at each budget, peaked at 174.9 MiB at a budget of 206.1 and at 114.4
+    at 232.0): no budget's plan peaks above a higher budget's, and each fits."""
+    import random
 
-        found, peak, _ = plan_within(None, anchor, 325.0, solve_for, measure)
-        return measured, found.value, peak
+    from tf_checkpointing.planning.solving._xla import XlaAnchor, plan_within
 
-    # Below the line up to 300, then steep: the line picks 250 (measured 265,
-    # 0.82x), the curve through it 300 (270), and the curve through that 300 again.
-    assert run(lambda g: 250 + 0.1 * (g - 100) if g <= 300 else 400.0) == (
-        [250, 300], 300, 270.0)
-    # Far below at 250, but what the curve then offers measures above the budget.
-    assert run(lambda g: 260.0 if g <= 250 else 390.0) == ([250, 300], 250, 260.0)
-    # Used enough of the budget: measured once.
-    assert run(lambda g: 300.0) == ([250], 250, 300.0)
+    rng = random.Random(7)
+    for _ in range(20):
+        models = sorted(rng.sample(range(110, 400), 12))
+        peaks = {g: rng.uniform(250.0, 400.0) for g in models}
+        works = {g: 400.0 - g + rng.uniform(0, 5) for g in models}
+        chosen = []
+        for usable in range(400, 249, -5):
+            anchor = XlaAnchor(model_least=100, model_plain=400, least_bytes=250,
+                               plain_bytes=400)
+            solve_for, measure, work, _ = _xla_planning(peaks, works)
+            found, peak, _ = plan_within(None, anchor, float(usable), solve_for, measure,
+                                         work=work)
+            peak = anchor.least_bytes if found is None else peak
+            assert peak <= usable
+            chosen.append(peak)
+        assert all(low <= high for high, low in zip(chosen, chosen[1:])), chosen
 
 
 def test_nested_regions_equal_plain(mode):

@@ -19,10 +19,11 @@ HEADROOM = 0.10
 # A tf.function plan's allocator chunks over its tensors, at the least plan: the
 # middle of the range measured on checkpointed plans (docs/decisions/0019-chunk-factor.md).
 CHUNKS = 1.10
-# An XLA budget plan that measured below this share of its usable budget is chosen
-# again on the curve through its measurement: one that keeps more recomputes less
-# (docs/decisions/0023-xla-plans.md).
-XLA_BUDGET_USED = 0.85
+# An XLA budget takes the first of this many plans, evenly spaced in the model's peak
+# between the least plan and plain, that measures within it: each one a budget passes
+# costs a compile (20-40 s on ResNet50), and fewer leave more of a budget unused
+# (docs/decisions/0048-xla-budgets-climb-a-ladder.md).
+XLA_LADDER_RUNGS = 4
 # A budget at most this share below the least budget (the least plan's predicted peak
 # plus HEADROOM) gets the least plan instead of an error: the least is read from one
 # process's profile, and another process reads it a few percent apart, so a least

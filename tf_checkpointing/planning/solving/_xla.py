@@ -21,13 +21,13 @@ mapped peak fits it.
 
 The relation between ``g`` and XLA's peak is not a line, and depends on the
 model: plans between the least and plain can measure far above the line, and
-plans of equal ``g`` apart. So a whole-model plan for a budget is also
-checked: the plan chosen for the budget is compiled and measured, its
-measured peak becomes one more point of the mapping (a monotone
-piecewise-linear curve through every point measured for the profile), and if
-it does not fit, the plan is chosen again on the corrected curve
-(:func:`plan_within`). The plan's predicted peak is then its own measurement,
-not the curve's, which is raised to keep it monotone.
+plans of equal ``g`` apart. So a whole-model plan for a budget is
+measured before it is taken: a budget climbs a fixed ladder of plans, from the
+one that recomputes least, compiling and measuring each until one fits
+(:func:`plan_within`). The plan's predicted peak is then its own measurement;
+each measurement also becomes one more point of the mapping (a monotone
+piecewise-linear curve through every point measured for the profile), which
+predicts the plans not measured (a user's selections).
 
 Each XLA step is measured by the bytes it requests (:mod:`..measuring._requested`),
 not by the allocator's chunks, which depend on the free chunks the profile
@@ -47,7 +47,7 @@ from typing import Any, Callable, NamedTuple, Optional
 from tf_checkpointing.core._state import StateRecorder
 from tf_checkpointing.planning._cache import registered
 from tf_checkpointing.planning._constants import XLA_ANCHOR_CACHE_SIZE as _CACHE_SIZE
-from tf_checkpointing.planning._constants import XLA_BUDGET_USED as _USED
+from tf_checkpointing.planning._constants import XLA_LADDER_RUNGS as _RUNGS
 from tf_checkpointing.planning.layer_graph._frozen import backprop_calls
 from tf_checkpointing.planning.layer_graph._layer_graph import LayerGraph
 from tf_checkpointing.planning.measuring import _progress
@@ -299,37 +299,27 @@ class XlaChoice(NamedTuple):
 
 def plan_within(key: Any, anchor: XlaAnchor, usable: float,
                 solve_for: Callable[[float], Optional[Solution]],
-                measure_spans: Callable[[tuple, tuple], int],
-                tries: int = 3, *, used: float = _USED,
+                measure_spans: Callable[[tuple, tuple], int], *, rungs: int = _RUNGS,
                 work: Optional[Callable[[tuple, tuple], float]] = None) -> XlaChoice:
-    """The plan for an XLA budget of ``usable`` bytes, checked by measuring it.
+    """The plan for an XLA budget of ``usable`` bytes: the first plan of the
+    profile's :func:`ladder` whose compiled step measures within it.
 
     ``solve_for(limit)`` returns the plan with the least recomputation whose
     model peak (its ``value``) fits ``limit``, or None; ``measure_spans``
-    compiles and measures a plan's XLA step. Each measured plan becomes a point
-    of the anchor (kept for ``key``, so later budgets start from the corrected
-    curve), and is kept with it: a plan measured before is not measured again.
-    A plan that measured above ``usable`` is chosen again on the corrected
-    curve; so is one that used less than ``used`` of it (the curve was above
-    the step, and a plan keeping more recomputes less); up to ``tries`` plans
-    are measured.
+    compiles and measures a plan's XLA step. The ladder's plans are measured in
+    order of recomputation, least first, until one fits; each measured plan is
+    kept with the anchor (for ``key``): another budget on the same profile takes
+    it unmeasured, and it becomes a point of the curve that predicts other plans.
+    None when no plan of the ladder fits (the caller takes the least plan).
 
-    Of the plans that fit, the last one found is chosen; with ``work`` (a plan's
-    recomputation, from its spans and policies), the one of least work among
-    every plan measured for ``key`` that fits, ties to the lower peak: a budget
-    never takes a plan that recomputes more than one measured for another budget
-    that fits it too (see docs/decisions/0045-xla-budgets-share-measured-plans.md)."""
-    fitting: Optional[tuple[Solution, float]] = None
-    tried: set = set()
-    for _ in range(tries):
-        found = solve_for(anchor.model_limit(usable))
-        if found is None or not found.spans:
-            if found is not None and fitting is None:  # plain fits, by the curve
-                return XlaChoice(found, None, anchor)
-            break  # (nothing fits the curve: a kept plan may still fit the budget)
-        if (found.spans, found.policies) in tried:  # the corrected curve chose it again
-            break
-        tried.add((found.spans, found.policies))
+    Why a fixed ladder and not a search aimed at the budget: XLA's peak is not a
+    smooth function of the regions, so a search whose candidates depend on the
+    budget can take, for a higher budget, a plan that peaks lower than a lower
+    budget's. The ladder depends only on the profile, so the first plan that fits
+    a higher budget fits it no later than a lower budget's does: the measured
+    peak never rises as the budget falls (see
+    docs/decisions/0048-xla-budgets-climb-a-ladder.md)."""
+    for found in ladder(anchor, solve_for, rungs, work):
         measured = anchor.measured(found.spans, found.policies)
         if measured is None:
             measured = measure_spans(found.spans, found.policies)
@@ -337,17 +327,34 @@ def plan_within(key: Any, anchor: XlaAnchor, usable: float,
             if key in _model_anchors:
                 _model_anchors[key] = anchor
         if measured <= usable:
-            fitting = (found, measured)
-            if measured >= used * usable:
-                break
-    if work is not None:
-        fits = [(work(spans, policies), xla, Solution(model, spans, policies))
-                for spans, policies, model, xla in anchor.plans if xla <= usable]
-        if fits:
-            least = min(w for w, _, _ in fits)
-            _, xla, solution = min((item for item in fits if item[0] <= least * (1 + 1e-9)),
-                                   key=lambda item: item[1])
-            fitting = (solution, xla)
-    if fitting is not None:
-        return XlaChoice(fitting[0], int(fitting[1]), anchor)
+            return XlaChoice(found, int(measured), anchor)
     return XlaChoice(None, None, anchor)
+
+
+def ladder(anchor: XlaAnchor, solve_for: Callable[[float], Optional[Solution]],
+           rungs: int = _RUNGS,
+           work: Optional[Callable[[tuple, tuple], float]] = None) -> list[Solution]:
+    """The plans an XLA budget chooses from: the least recomputation at ``rungs``
+    model peaks evenly spaced between the least plan's and plain's (plans of no
+    region and repeats dropped), ordered by ``work`` (a plan's recomputation),
+    least first; without ``work``, by model peak, highest first.
+
+    Example:
+        >>> from tf_checkpointing.planning.solving._region_solver import Solution
+        >>> anchor = XlaAnchor(model_least=100, model_plain=400, least_bytes=250,
+        ...                    plain_bytes=400)
+        >>> def solve_for(limit):  # plans at model peaks 100, 150, ..., 350
+        ...     g = min(350, 100 + 50 * int((limit - 100) // 50))
+        ...     return Solution(g, ((0, g, ()),), ())
+        >>> [plan.value for plan in ladder(anchor, solve_for, rungs=4)]
+        [300, 250, 200, 150]
+    """
+    span = anchor.model_plain - anchor.model_least
+    found: dict[tuple, tuple[int, Solution]] = {}
+    for k in range(rungs, 0, -1):
+        plan = solve_for(anchor.model_least + span * k / (rungs + 1))
+        if plan is not None and plan.spans:
+            found.setdefault((plan.spans, plan.policies), (len(found), plan))
+    ordered = sorted(found.values(), key=lambda item: (
+        0.0 if work is None else work(item[1].spans, item[1].policies), item[0]))
+    return [plan for _, plan in ordered]
