@@ -10,7 +10,9 @@ more up to plain's peak, recording the region program's problems
 (``profiles.py``; pickled in ``--cache``, reused on the next run). Each budget's
 problem (the ``RegionModel``, nested options and limit the planner solved) is
 then solved by the MILP of ``regions_milp.py`` with HiGHS, with held bytes
-exact and rounded to the program's units, within ``--time-limit`` seconds.
+exact and rounded up to the program's units (the problem of the program with
+every step rounded up, which the planner runs beside one rounded to the nearest
+unit: docs/decisions/0049), within ``--time-limit`` seconds.
 Reported: the planner's predicted extra work (recomputation seconds) and peak,
 the MILP optimum's, both solve times, and the predicted step time (plain's
 measured step plus the extra work) of each; the target is the planner at most
@@ -81,14 +83,19 @@ def compare(recorded: dict, time_limit: float, units_check: int) -> list[dict]:
                    else len(exact.solution.spans),
                    milp_model_peak_mib=None if exact.solution is None else model.peak(
                        exact.solution.spans, policies=exact.solution.policies) / MIB)
-        if model.n <= units_check:  # the program's own problem: the same optimum
+        # The program with every step's bytes rounded up (without the run rounded to
+        # the nearest unit), whose own problem the MILP solves with held bytes in units.
+        up = solve(model, limit, nested=call["nested"], nearest=False)
+        row["dp_up_extra_s"] = None if up is None else up.value
+        if model.n <= units_check:  # the rounded-up program's own problem: the same optimum
             same = rm.solve_milp(rm.rounded(problem, limit / REGION_UNITS), limit,
                                  time_limit=time_limit)
             row.update(milp_units_status=same.status, milp_units_s=same.seconds,
                        milp_units_extra_s=same.value)
-        # The same program with finer units: how much of the gap they close.
+        # The rounded-up program with finer units: how much of the gap they close.
         began = time.perf_counter()
-        finer = solve(model, limit, nested=call["nested"], units=FINER * REGION_UNITS)
+        finer = solve(model, limit, nested=call["nested"], units=FINER * REGION_UNITS,
+                      nearest=False)
         row.update(dp_finer_s=time.perf_counter() - began,
                    dp_finer_extra_s=None if finer is None else finer.value)
         plain_s = recorded["plain_step_s"]
@@ -117,13 +124,14 @@ def report(rows: list[dict], recorded: list[dict]) -> str:
              fmt(r["predicted_peak_mib"], ".1f"), fmt(r.get("dp_extra_s"), ".4f"),
              fmt(r.get("dp_s"), ".2f"), fmt(r.get("milp_extra_s"), ".4f"),
              r.get("milp_status", r.get("note", "-")), fmt(r.get("milp_s"), ".1f"),
-             fmt(r.get("milp_units_extra_s"), ".4f"), fmt(r.get("dp_finer_extra_s"), ".4f"),
+             fmt(r.get("dp_up_extra_s"), ".4f"), fmt(r.get("milp_units_extra_s"), ".4f"),
+             fmt(r.get("dp_finer_extra_s"), ".4f"),
              fmt(r.get("extra_ratio"), ".3f"),
              fmt(r.get("step_ratio"), ".3f"),
              {True: "met", False: "NOT met"}.get(r.get("target_met"), "-")] for r in rows]
     head = ["model", "share", "budget MiB", "predicted peak MiB", "planner extra s",
-            "program s", "MILP extra s", "MILP", "MILP s", "MILP (units) extra s",
-            f"program x{FINER} units extra s",
+            "program s", "MILP extra s", "MILP", "MILP s", "rounded up: program extra s",
+            "rounded up: MILP (units) extra s", f"rounded up, x{FINER} units: extra s",
             "extra ratio", "step ratio", "<= 1.05x"]
     plain = [f"{r['name']}: {r['n']} calls, plain step {r['plain_step_s'] * 1e3:.0f} ms, "
              f"plain peak {r['plain_peak'] / MIB:.1f} MiB, least budget "

@@ -7,7 +7,9 @@ blocks, a residual CNN, a U-Net, with made-up costs and one save policy, regions
 offered nested too) the dynamic program must find the MILP's optimum of its own
 problem (held bytes rounded up to its units) exactly, its plans must fit the
 MILP's constraints, and the exact-bytes optimum must lie between the program's
-value at the budget and at the budget less one unit per step.
+value at the budget and at the budget less one unit per step. The planner's
+program (also rounded to the nearest unit, and checked) fits the exact problem,
+at most the rounded-up program's work.
 """
 
 import ast
@@ -43,7 +45,7 @@ def test_the_program_finds_the_milp_optimum(graph):
     for share in SHARES:
         limit = least.value + share * (plain - least.value)
         unit = limit / REGION_UNITS
-        found = solve(model, limit, nested=nested)
+        found = solve(model, limit, nested=nested, nearest=False)
         assert found is not None, share
         # The program's own problem: the same optimum, and its plan fits the MILP's rows.
         assert _close(rm.solve_milp(rm.rounded(problem, unit), limit).value, found.value)
@@ -57,6 +59,12 @@ def test_the_program_finds_the_milp_optimum(graph):
         tighter = rm.solve_milp(problem, limit - model.n * unit).value
         if tighter is not None:
             assert found.value <= tighter * (1 + 1e-6)
+        # The planner's program (each step also rounded to the nearest unit, and
+        # checked): within the limit, between the exact optimum and the rounded-up one.
+        planned = solve(model, limit, nested=nested)
+        assert model.peak(planned.spans, policies=planned.policies) <= limit * (1 + 1e-9)
+        assert exact * (1 - 1e-6) <= planned.value <= found.value * (1 + 1e-6)
+        assert np.isclose(model.extra_work(planned.spans, planned.policies), planned.value)
 
 
 def test_the_milp_plan_is_a_plan_of_the_program():

@@ -39,9 +39,14 @@ SELECTION_MARGIN = 1.5
 
 # The whole-model region program (_region_solver) ---------------------------------
 
-# Memory units of the region program: fine against HEADROOM, and fast enough for a
-# model of a few hundred calls (docs/decisions/0015-region-program.md).
-REGION_UNITS = 400
+# Memory units of the region program, each step's bytes rounded to the nearest: a
+# plan within 1% of the limit, and a ResNet50 solve within about a second
+# (docs/decisions/0049-region-program-rounds-to-the-nearest.md).
+REGION_UNITS = 800
+# Programs rounded to the nearest unit, each checked against the model's peak (one
+# above the limit runs again lower), before the program with every step rounded up,
+# which never exceeds the limit (the same record).
+REGION_NEAREST_TRIES = 2
 # Regions offered with sub-regions inside their replay (docs/decisions/0016-nesting.md): at most
 # this many calls (bounds the inner programs' time),
 NESTED_MAX_LEN = 24

@@ -28,6 +28,7 @@ from tf_checkpointing.planning._constants import (
     NESTED_NEED_RATIO,
     NESTED_UNITS,
 )
+from tf_checkpointing.planning._constants import REGION_NEAREST_TRIES as _NEAREST_TRIES
 from tf_checkpointing.planning._constants import REGION_UNITS as _UNITS
 from tf_checkpointing.planning.solving._regions import RegionModel
 
@@ -58,21 +59,51 @@ class Solution(NamedTuple):
 def solve(model: RegionModel, limit: Optional[float], *, start: int = 0,
           stop: Optional[int] = None, max_len: Optional[int] = None,
           nested: Optional[dict] = None, units: int = _UNITS,
-          unit: Optional[float] = None) -> Optional[Solution]:
+          unit: Optional[float] = None, nearest: bool = True) -> Optional[Solution]:
     """With ``limit``: the least recomputation whose modelled peak fits it, or
     None. Without: the least peak (ties: least work).
 
     ``[start, stop)`` restricts the calls (a replay's, for nesting), ``max_len``
     the length of a region, and ``nested[(a, c)] = (need, work, inner)`` offers
-    each region also with checkpoints inside its replay."""
+    each region also with checkpoints inside its replay.
+
+    The program counts held bytes in ``units`` of the limit. Rounding every
+    step's bytes up never exceeds the limit, but overstates a plan of a hundred
+    steps by tens of units: it left a fifth of ResNet50's budgets unused (see
+    docs/decisions/0049-region-program-rounds-to-the-nearest.md). So with a limit
+    (and ``nearest``), the program also runs with each step's bytes rounded to the
+    nearest unit, its plan checked against the model's own peak (one above the
+    limit: run again, the limit lowered by the excess), and the plan of least
+    work that fits is taken, ties to the rounded-up program's.
+    """
     stop = model.n if stop is None else stop
-    unit = unit or max(limit if limit is not None else model.peak(()), 1.0) / units
 
-    def steps(a: int) -> _Steps:
-        return _steps(model, nested, a, stop if max_len is None else min(stop, a + max_len), stop)
+    def run(cap: Optional[float], rounded_nearest: bool) -> Optional[Solution]:
+        size = unit or max(cap if cap is not None else model.peak(()), 1.0) / units
 
-    tables = _tables(steps, limit, np.array([start]), np.array([stop]), units, unit)
-    return _best(tables, 0, limit, start, stop, nested)
+        def steps(a: int) -> _Steps:
+            return _steps(model, nested, a,
+                          stop if max_len is None else min(stop, a + max_len), stop)
+
+        tables = _tables(steps, cap, np.array([start]), np.array([stop]), units, size,
+                         rounded_nearest)
+        return _best(tables, 0, cap, start, stop, nested)
+
+    if limit is None:
+        return run(None, False)
+    found = [run(limit, False)]  # every step rounded up: never above the limit
+    cap = limit
+    for _ in range(_NEAREST_TRIES if nearest else 0):
+        plan = run(cap, True)
+        if plan is None:
+            break
+        excess = model.peak(plan.spans, start, stop, plan.policies) - limit
+        if excess <= 0:
+            found.append(plan)
+            break
+        cap -= excess + cap / units
+    fits = [plan for plan in found if plan is not None]
+    return min(fits, key=lambda plan: plan.value) if fits else None
 
 
 # A step's kind, in the program's back-pointers: 0 is one plain call; a region
@@ -86,11 +117,12 @@ def _decode(kind: int) -> tuple[int, bool]:
     return (kind - 1) // 2, bool((kind - 1) % 2)
 
 
-def _tables(steps, limit, starts, stops, units, unit):
+def _tables(steps, limit, starts, stops, units, unit, nearest=False):
     """The programs from cut ``starts[w]`` to ``stops[w]`` for each window ``w``,
     with ``steps(a)`` the steps from cut ``a``: tables (value, work, came_from)
     indexed by (window; state: 0 after a plain call or at the start, 1 after a
-    region; cut less the window's start; held units).
+    region; cut less the window's start; held units). A step's held bytes are
+    rounded up to whole units, or under ``nearest`` to the nearest.
 
     A step lands on a later cut, so the rows at a cut are final when it is
     reached, and its steps (every window's at once) are offered together, as
@@ -124,7 +156,7 @@ def _tables(steps, limit, starts, stops, units, unit):
         if scratch[0].size < to.shape[1] * size:
             # Room for one batch's arrays: fresh ones this large cost more to map than to fill.
             scratch = [np.empty(to.shape[1] * size, t) for t in [float] * 3 + [bool] * 3]
-        add = np.ceil(held / unit - 1e-9)
+        add = np.floor(held / unit + 0.5) if nearest else np.ceil(held / unit - 1e-9)
         # The source levels a step may leave from are those below its `cap`: it
         # lands in the table, within the window, its value is finite and with a
         # limit, the level's held bytes plus its need fit.

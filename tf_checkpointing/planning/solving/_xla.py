@@ -341,6 +341,7 @@ def ladder(anchor: XlaAnchor, solve_for: Callable[[float], Optional[Solution]],
 
     Example:
         >>> from tf_checkpointing.planning.solving._region_solver import Solution
+        >>> from tf_checkpointing.planning.solving._xla import XlaAnchor, ladder
         >>> anchor = XlaAnchor(model_least=100, model_plain=400, least_bytes=250,
         ...                    plain_bytes=400)
         >>> def solve_for(limit):  # plans at model peaks 100, 150, ..., 350
