@@ -21,7 +21,7 @@ HEADROOM = 0.10
 CHUNKS = 1.10
 # An XLA budget takes the first of this many plans, evenly spaced in the model's peak
 # between the least plan and plain, that measures within it: each one a budget passes
-# costs a compile (20-40 s on ResNet50), and fewer leave more of a budget unused
+# costs an XLA compile, and fewer leave more of a budget unused
 # (docs/decisions/0048-xla-budgets-climb-a-ladder.md).
 XLA_LADDER_RUNGS = 4
 # A budget at most this share below the least budget (the least plan's predicted peak
@@ -39,9 +39,9 @@ SELECTION_MARGIN = 1.5
 
 # The whole-model region program (_region_solver) ---------------------------------
 
-# Memory units of the region program, each step's bytes rounded to the nearest: a
-# plan within 1% of the limit, and a ResNet50 solve within about a second
-# (docs/decisions/0049-region-program-rounds-to-the-nearest.md).
+# Memory units of the region program, each step's bytes rounded to the nearest: fine
+# enough that plans keep close to their limit, few enough that a model of a few hundred
+# calls is solved in a second or two (docs/decisions/0049-region-program-rounds-to-the-nearest.md).
 REGION_UNITS = 800
 # Programs rounded to the nearest unit, each checked against the model's peak (one
 # above the limit runs again lower), before the program with every step rounded up,

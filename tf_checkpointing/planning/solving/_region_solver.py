@@ -69,7 +69,7 @@ def solve(model: RegionModel, limit: Optional[float], *, start: int = 0,
 
     The program counts held bytes in ``units`` of the limit. Rounding every
     step's bytes up never exceeds the limit, but overstates a plan of a hundred
-    steps by tens of units: it left a fifth of ResNet50's budgets unused (see
+    steps by tens of units, and left budgets unused (see
     docs/decisions/0049-region-program-rounds-to-the-nearest.md). So with a limit
     (and ``nearest``), the program also runs with each step's bytes rounded to the
     nearest unit, its plan checked against the model's own peak (one above the

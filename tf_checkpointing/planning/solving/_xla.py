@@ -316,9 +316,10 @@ def plan_within(key: Any, anchor: XlaAnchor, usable: float,
     smooth function of the regions, so a search whose candidates depend on the
     budget can take, for a higher budget, a plan that peaks lower than a lower
     budget's. The ladder depends only on the profile, so the first plan that fits
-    a higher budget fits it no later than a lower budget's does: the measured
-    peak never rises as the budget falls (see
-    docs/decisions/0048-xla-budgets-climb-a-ladder.md)."""
+    a higher budget fits it no later than a lower budget's does: on one profile,
+    the measured peak never rises as the budget falls. (Another process, whose
+    per-call times differ, can climb another ladder; see
+    docs/decisions/0048-xla-budgets-climb-a-ladder.md.)"""
     for found in ladder(anchor, solve_for, rungs, work):
         measured = anchor.measured(found.spans, found.policies)
         if measured is None:
