@@ -67,6 +67,23 @@ def test_the_program_finds_the_milp_optimum(graph):
         assert np.isclose(model.extra_work(planned.spans, planned.policies), planned.value)
 
 
+def test_a_long_graphs_plan_keeps_close_to_its_limit():
+    """Rounding each of a plan's steps up adds up over a long graph (here 81 calls):
+    that program's plan keeps 95% of the limit, and the planner's, rounded to the
+    nearest and checked, keeps 99% and recomputes a quarter less (decision 0049)."""
+    from benchmarks.milp.synthetic import _residual
+
+    model = region_model(_residual(20), seed=3)
+    nested = nested_options(model)
+    least, plain = solve(model, None, nested=nested).value, model.peak(())
+    limit = least + 0.9 * (plain - least)
+    up = solve(model, limit, nested=nested, nearest=False)
+    planned = solve(model, limit, nested=nested)
+    assert model.peak(up.spans, policies=up.policies) < 0.96 * limit
+    assert 0.99 * limit <= model.peak(planned.spans, policies=planned.policies) <= limit
+    assert planned.value < 0.75 * up.value
+
+
 def test_the_milp_plan_is_a_plan_of_the_program():
     pytest.importorskip("scipy")
     model = region_model(GRAPHS["residual"](), seed=0)
