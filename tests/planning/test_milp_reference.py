@@ -84,6 +84,32 @@ def test_a_long_graphs_plan_keeps_close_to_its_limit():
     assert planned.value < 0.75 * up.value
 
 
+def test_offering_a_policy_never_costs_replay():
+    """Rounded to the nearest unit, the program is not exact: on this 49-call
+    graph, offering a save policy lands it on a plan that replays 6% more than
+    without one. With ``base_policies`` the plan without is a candidate too
+    (decision 0050)."""
+    from benchmarks.milp.synthetic import _residual
+
+    model = region_model(_residual(12), seed=22)
+    nested = nested_options(model)
+    least, plain = solve(model, None, nested=nested).value, model.peak(())
+    limit = least + 0.9 * (plain - least)
+    without = solve(model.with_policies(0), limit, nested=nested)
+    offered = solve(model, limit, nested=nested)
+    assert offered.value > 1.05 * without.value  # the program alone
+    planned = solve(model, limit, nested=nested, base_policies=0)
+    assert planned.value == without.value
+    assert model.peak(planned.spans, policies=planned.policies) <= limit
+    # Where offering it pays, the policy's plan is kept.
+    for share in (0.1, 0.3, 0.5, 0.7):
+        limit = least + share * (plain - least)
+        both = [solve(model.with_policies(0), limit, nested=nested),
+                solve(model, limit, nested=nested)]
+        planned = solve(model, limit, nested=nested, base_policies=0)
+        assert planned.value == min(plan.value for plan in both), share
+
+
 def test_the_milp_plan_is_a_plan_of_the_program():
     pytest.importorskip("scipy")
     model = region_model(GRAPHS["residual"](), seed=0)

@@ -213,8 +213,9 @@ class Planning:
 
     def solve(self, limit: Optional[float]) -> Optional[Solution]:
         """The region plan with least recomputation whose model peak is at most
-        ``limit`` (None: the least peak), or None."""
-        return solve(self.region_model, limit, nested=self.nested)
+        ``limit`` (None: the least peak), or None. Never more than the plan
+        that offers only ``reductions_saveable``, the policy every plan has."""
+        return solve(self.region_model, limit, nested=self.nested, base_policies=1)
 
     def min_budget(self) -> int:
         """The least budget accepted: the least peak of the least region plan

@@ -59,7 +59,8 @@ class Solution(NamedTuple):
 def solve(model: RegionModel, limit: Optional[float], *, start: int = 0,
           stop: Optional[int] = None, max_len: Optional[int] = None,
           nested: Optional[dict] = None, units: int = _UNITS,
-          unit: Optional[float] = None, nearest: bool = True) -> Optional[Solution]:
+          unit: Optional[float] = None, nearest: bool = True,
+          base_policies: Optional[int] = None) -> Optional[Solution]:
     """With ``limit``: the least recomputation whose modelled peak fits it, or
     None. Without: the least peak (ties: least work).
 
@@ -75,7 +76,22 @@ def solve(model: RegionModel, limit: Optional[float], *, start: int = 0,
     nearest unit, its plan checked against the model's own peak (one above the
     limit: run again, the limit lowered by the excess), and the plan of least
     work that fits is taken, ties to the rounded-up program's.
+
+    Rounded, the program is not exact, and a choice space with more options can
+    land on a plan that replays more than a smaller space's. With a limit and
+    ``base_policies``, the plan offering only the model's first
+    ``base_policies`` policies is solved too, and the better taken: offering more
+    policies never costs replay time (see
+    docs/decisions/0050-more-policies-never-cost-replay.md).
     """
+    if limit is not None and base_policies is not None and (
+            base_policies < model.num_policies):
+        kwargs = dict(start=start, stop=stop, max_len=max_len, nested=nested, units=units,
+                      unit=unit, nearest=nearest)
+        plans = [solve(model, limit, **kwargs),
+                 solve(model.with_policies(base_policies), limit, **kwargs)]
+        fits = [plan for plan in plans if plan is not None]
+        return min(fits, key=lambda plan: plan.value) if fits else None
     stop = model.n if stop is None else stop
 
     def run(cap: Optional[float], rounded_nearest: bool) -> Optional[Solution]:

@@ -167,6 +167,14 @@ class RegionModel:
         view.policy_kept_prefix = view.policy_cost_prefix = np.zeros((self.n + 1, 0))
         return view
 
+    def with_policies(self, count: int) -> RegionModel:
+        """The model that offers only its first ``count`` policies (the same
+        tables otherwise)."""
+        view = copy.copy(self)
+        view.policy_kept_prefix = self.policy_kept_prefix[:, :count]
+        view.policy_cost_prefix = self.policy_cost_prefix[:, :count]
+        return view
+
     @property
     def num_policies(self) -> int:
         return int(self.policy_kept_prefix.shape[1])
