@@ -203,6 +203,7 @@ def test_committed_results_markdown_is_their_json(name):
 def test_committed_family_results_markdown_is_their_json():
     from benchmarks.chain import core
     from benchmarks.harness import RunResult
+    from benchmarks.milp import units
     from benchmarks.whole_model import applications_sweep, budget_sweep
     from benchmarks.whole_model import report as whole_model_report
 
@@ -217,6 +218,8 @@ def test_committed_family_results_markdown_is_their_json():
     assert whole_model_report.markdown_table(rows) in (results / "whole_model.md").read_text()
     rows = json.loads((results / "budget_sweep.json").read_text())
     assert budget_sweep.report(rows) == (results / "budget_sweep.md").read_text()
+    payload = json.loads((results / "region_units.json").read_text())
+    assert units.report(payload["rows"]) + "\n" == (results / "region_units.md").read_text()
 
 
 def test_least_plan_against_the_blocks_compares_the_plans_before_their_peaks():
