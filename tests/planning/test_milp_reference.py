@@ -84,13 +84,16 @@ def test_a_long_graphs_plan_keeps_close_to_its_limit():
     assert planned.value < 0.75 * up.value
 
 
-def test_offering_a_policy_never_costs_replay():
+def test_offering_a_policy_never_costs_replay(monkeypatch):
     """Rounded to the nearest unit, the program is not exact: on this 49-call
-    graph, offering a save policy lands it on a plan that replays 6% more than
-    without one. With ``base_policies`` the plan without is a candidate too
-    (decision 0050)."""
+    graph, with two tries rounded to the nearest (before decision 0051; six
+    find a plan here, but nothing promises they always do), offering a save
+    policy lands it on a plan that replays 6% more than without one. With
+    ``base_policies`` the plan without is a candidate too (decision 0050)."""
     from benchmarks.milp.synthetic import _residual
+    from tf_checkpointing.planning.solving import _region_solver
 
+    monkeypatch.setattr(_region_solver, "_NEAREST_TRIES", 2)
     model = region_model(_residual(12), seed=22)
     nested = nested_options(model)
     least, plain = solve(model, None, nested=nested).value, model.peak(())
