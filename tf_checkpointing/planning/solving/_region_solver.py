@@ -80,16 +80,18 @@ def solve(model: RegionModel, limit: Optional[float], *, start: int = 0,
     Rounded, the program is not exact, and a choice space with more options can
     land on a plan that replays more than a smaller space's. With a limit and
     ``base_policies``, the plan offering only the model's first
-    ``base_policies`` policies is solved too, and the better taken: offering more
-    policies never costs replay time (see
+    ``base_policies`` policies is solved too, and the better taken (ties: the
+    smaller space's): offering more policies never costs replay time (see
     docs/decisions/0050-more-policies-never-cost-replay.md).
     """
     if limit is not None and base_policies is not None and (
             base_policies < model.num_policies):
         kwargs = dict(start=start, stop=stop, max_len=max_len, nested=nested, units=units,
                       unit=unit, nearest=nearest)
-        plans = [solve(model, limit, **kwargs),
-                 solve(model.with_policies(base_policies), limit, **kwargs)]
+        # The smaller space's plan first: of equal work, it wins (a policy that
+        # spares no replay is not worth keeping its tensors for).
+        plans = [solve(model.with_policies(base_policies), limit, **kwargs),
+                 solve(model, limit, **kwargs)]
         fits = [plan for plan in plans if plan is not None]
         return min(fits, key=lambda plan: plan.value) if fits else None
     stop = model.n if stop is None else stop
