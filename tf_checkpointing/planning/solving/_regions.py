@@ -161,10 +161,9 @@ class RegionModel:
         last BatchNorms, plain inside a nested replay, have both backward passes'
         temporaries alive at once; see docs/decisions/0018-memory-model.md), and no
         policies."""
-        view = copy.copy(self)
-        view.rescale_plain(1.0, beside=True)
         # Regions inside a replay are full replays (policies are for the top level).
-        view.policy_kept_prefix = view.policy_cost_prefix = np.zeros((self.n + 1, 0))
+        view = self.with_policies(0)
+        view.rescale_plain(1.0, beside=True)
         return view
 
     def with_policies(self, count: int) -> RegionModel:
