@@ -104,7 +104,7 @@ def test_offering_a_policy_never_costs_replay(monkeypatch):
     planned = solve(model, limit, nested=nested, base_policies=0)
     assert planned.value == without.value
     assert model.peak(planned.spans, policies=planned.policies) <= limit
-    # Where offering it pays, the policy's plan is kept.
+    # At other limits too, the better of the two plans.
     for share in (0.1, 0.3, 0.5, 0.7):
         limit = least + share * (plain - least)
         both = [solve(model.with_policies(0), limit, nested=nested),
