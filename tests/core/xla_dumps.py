@@ -46,6 +46,10 @@ STEPS = textwrap.dedent("""
         tf.function(fn, jit_compile=True)(x)
 """)
 
+# Without LLVM's expensive passes, as the suite's own processes (conftest): the buffer
+# assignment these tests read is made on the HLO, before LLVM runs.
+_FAST = "--xla_llvm_disable_expensive_passes=true"
+
 # Matrix products as dots or, where XLA:CPU hands them to oneDNN (TF 2.16), custom calls.
 MATMUL = r' dot\(|custom_call_target="__onednn\$matmul"'
 
@@ -55,7 +59,7 @@ def compile_dumped(tmp_path: Path, flags: str, script: str,
     """Runs ``script`` with XLA dumping to ``tmp_path``; its stdout, or None if this
     XLA does not know ``flags``."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=str(REPO),
-               XLA_FLAGS=f"--xla_dump_to={tmp_path} --xla_dump_hlo_as_text {flags}")
+               XLA_FLAGS=f"--xla_dump_to={tmp_path} --xla_dump_hlo_as_text {_FAST} {flags}")
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, timeout=600, cwd=REPO, input=stdin)
     if "Unknown flags in XLA_FLAGS" in done.stderr:
