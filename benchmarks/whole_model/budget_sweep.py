@@ -102,6 +102,7 @@ def sweep(name: str, mode: str, tiny: bool) -> list[dict]:
     """Plain, then the ten budgets from its least to plain's peak, highest first,
     each in a fresh process."""
     plain = _run(name, mode, tiny, None)
+    print(json.dumps(plain), flush=True)  # each row as it comes: a stopped run keeps them
     if "error" in plain:
         return [plain]
     low, high = plain["least_bytes"], plain["plain_bytes"]
