@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 
 from benchmarks.milp import regions_milp as rm  # imports scipy only when it solves
-from benchmarks.milp.synthetic import GRAPHS, region_model
+from benchmarks.milp.synthetic import GRAPHS, _residual, region_model
 from tf_checkpointing.planning._constants import REGION_UNITS
+from tf_checkpointing.planning.solving import _region_solver
 from tf_checkpointing.planning.solving._region_solver import nested_options, solve
 
 SHARES = (0.15, 0.6)  # budgets from the least peak towards plain's
@@ -90,9 +91,6 @@ def test_offering_a_policy_never_costs_replay(monkeypatch):
     find a plan here, but nothing promises they always do), offering a save
     policy lands it on a plan that replays 6% more than without one. With
     ``base_policies`` the plan without is a candidate too (decision 0050)."""
-    from benchmarks.milp.synthetic import _residual
-    from tf_checkpointing.planning.solving import _region_solver
-
     monkeypatch.setattr(_region_solver, "_NEAREST_TRIES", 2)
     model = region_model(_residual(12), seed=22)
     nested = nested_options(model)
