@@ -88,8 +88,9 @@ GRAPH_RUNS = 5
 PLAIN_STEPS = 3
 # Warm runs of a layer's forward; its time is the least of them.
 TIMED_RUNS = 3
-# Warm runs of a measured whole step (plain, or a plan's), timed after its peak's
-# readings; its time is the least of them (docs/decisions/0039-step-time-model.md).
+# Warm runs of a measured whole step (plain, or a plan's), timed, its peak's readings
+# among them where one step is measured; its time is the least of them
+# (docs/decisions/0039-step-time-model.md).
 TIMED_STEPS = 5
 # Timing rounds per distinct call under each policy in a model's graph, more for a
 # call standing for several, up to POLICY_MAX_ROUNDS (docs/decisions/0011-policy-timing.md).
@@ -98,7 +99,7 @@ POLICY_MAX_ROUNDS = 8
 # Calls of one family (same class and configuration, other shapes) timed under the
 # policies, spread over their sizes; the others take their neighbours' ratios
 # (docs/decisions/0011-policy-timing.md).
-POLICY_FAMILY_SAMPLES = 8
+POLICY_FAMILY_SAMPLES = 4
 # A call whose policies keep, in its forward, at most this share of its inputs' bytes
 # (a normalization's moments) is given those bytes, an upper bound, instead of
 # their listing by saved_residuals (docs/decisions/0011-policy-timing.md).

@@ -59,8 +59,8 @@ def graph_plain_step(calls, x, device, jit_compile: bool = False,
     step, and a plan calibrated to it overran its budget (see
     docs/decisions/0028-plain-step-with-an-update.md).
 
-    The time (``timed``; else None) is the least of a few warm steps, taken
-    after the peak's readings (the time model of whole-model plans starts from
+    The time (``timed``; else None) is the least of a few warm steps, the
+    peak's readings among them (the time model of whole-model plans starts from
     it, see docs/decisions/0039-step-time-model.md). Only the steps the time
     model reads are timed: a plan measured for its peak alone is not.
 
@@ -92,12 +92,20 @@ def graph_steps(chains: Sequence[Any], x: Any, device: str, jit_compile: bool = 
     # first update would then copy every weight and hold both in the pool.
     saved = [v.numpy().copy() for v in updated]
     try:
-        peaks = []
+        peaks, peak_runs = [], []
         for step in steps:
             sync(step(x))  # warm up
-            peaks.append(_step_peak(lambda step=step: sync(step(x)), device, jit_compile))
-        seconds = (interleaved_seconds([lambda step=step: sync(step(x)) for step in steps])
-                   if timed else [None] * len(steps))
+            peak, run_seconds = _step_peak(lambda step=step: sync(step(x)), device, jit_compile)
+            peaks.append(peak)
+            peak_runs.append(run_seconds)
+        if not timed:
+            return [StepReading(peak) for peak in peaks]
+        if len(steps) == 1:
+            # One step: its peak's runs are warm runs too, timed; only the rest are run.
+            more = interleaved_seconds([lambda: sync(steps[0](x))],
+                                       rounds=max(0, _TIMED_STEPS - len(peak_runs[0])))
+            return [StepReading(peaks[0], min([*peak_runs[0], *more]))]
+        seconds = interleaved_seconds([lambda step=step: sync(step(x)) for step in steps])
         return [StepReading(peak, time) for peak, time in zip(peaks, seconds)]
     finally:
         for variable, value in zip(updated, saved):
@@ -131,25 +139,31 @@ def _training_step(calls, x, jit_compile: bool, applied: bool,
     return step, updated
 
 
-def _step_peak(run: Callable[[], Any], device: str, jit_compile: bool) -> int:
-    """The peak of a warm step ``run()``: under XLA the bytes its one buffer
-    requests (the chunk it lands in depends on what the planner's own
-    measurements left in the pool, see _requested), else the median of a few
-    steps' chunks (which updates overlap which backward ops is the executor's
-    choice, and moves a step's peak; see docs/decisions/0027-graph-profile-readings.md)."""
+def _step_peak(run: Callable[[], Any], device: str,
+               jit_compile: bool) -> tuple[int, list[float]]:
+    """The peak of a warm step ``run()``, and the seconds of the runs that read
+    it (none under XLA, whose run is traced by the profiler): under XLA the
+    bytes its one buffer requests (the chunk it lands in depends on what the
+    planner's own measurements left in the pool, see _requested), else the median
+    of a few steps' chunks (which updates overlap which backward ops is the
+    executor's choice, and moves a step's peak; see
+    docs/decisions/0027-graph-profile-readings.md)."""
     allocator = Allocator(device)
     start = allocator.mark()
     if jit_compile:
         requested = requested_peak(run, device)
         if requested is not None:
-            return requested
-        return max(0, allocator.peak_since_mark() - start)  # that step's chunks
+            return requested, []
+        return max(0, allocator.peak_since_mark() - start), []  # that step's chunks
     peaks: list[int] = []
+    seconds: list[float] = []
     while len(peaks) < _PLAIN_STEPS and not median_settled(peaks, _PLAIN_STEPS):
         start = allocator.mark()
+        started = time.perf_counter()
         run()
+        seconds.append(time.perf_counter() - started)
         peaks.append(max(0, allocator.peak_since_mark() - start))
-    return median(peaks)
+    return median(peaks), seconds
 
 
 def interleaved_seconds(runs: Sequence[Callable[[], Any]],

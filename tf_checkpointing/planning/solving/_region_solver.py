@@ -60,7 +60,8 @@ def solve(model: RegionModel, limit: Optional[float], *, start: int = 0,
           stop: Optional[int] = None, max_len: Optional[int] = None,
           nested: Optional[dict] = None, units: int = _UNITS,
           unit: Optional[float] = None, nearest: bool = True,
-          base_policies: Optional[int] = None) -> Optional[Solution]:
+          base_policies: Optional[int] = None,
+          known: Optional[Solution] = None) -> Optional[Solution]:
     """With ``limit``: the least recomputation whose modelled peak fits it, or
     None. Without: the least peak (ties: least work).
 
@@ -83,6 +84,11 @@ def solve(model: RegionModel, limit: Optional[float], *, start: int = 0,
     ``base_policies`` policies is solved too, and the better taken (ties: the
     smaller space's): offering more policies never costs replay time (see
     docs/decisions/0050-more-policies-never-cost-replay.md).
+
+    A ``known`` plan (with a limit) is one the caller prefers at equal work: a
+    plan of more work than it is not returned (None instead), and the programs
+    skip the steps that cannot beat it (see :func:`_bounded`), which finds the
+    same plans sooner.
     """
     if limit is not None and base_policies is not None and (
             base_policies < model.num_policies):
@@ -90,13 +96,14 @@ def solve(model: RegionModel, limit: Optional[float], *, start: int = 0,
                       unit=unit, nearest=nearest)
         # The smaller space's plan first: of equal work, it wins (a policy that
         # spares no replay is not worth keeping its tensors for).
-        plans = [solve(model.with_policies(base_policies), limit, **kwargs),
-                 solve(model, limit, **kwargs)]
+        smaller = solve(model.with_policies(base_policies), limit, known=known, **kwargs)
+        plans = [smaller, solve(model, limit, known=smaller or known, **kwargs)]
         fits = [plan for plan in plans if plan is not None]
         return min(fits, key=lambda plan: plan.value) if fits else None
     stop = model.n if stop is None else stop
 
-    def run(cap: Optional[float], rounded_nearest: bool) -> Optional[Solution]:
+    def run(cap: Optional[float], rounded_nearest: bool, units: int = units,
+            unit: Optional[float] = unit, bound: float = np.inf) -> Optional[Solution]:
         size = unit or max(cap if cap is not None else model.peak(()), 1.0) / units
 
         def steps(a: int) -> _Steps:
@@ -104,15 +111,17 @@ def solve(model: RegionModel, limit: Optional[float], *, start: int = 0,
                           stop if max_len is None else min(stop, a + max_len), stop)
 
         tables = _tables(steps, cap, np.array([start]), np.array([stop]), units, size,
-                         rounded_nearest)
+                         rounded_nearest, bound)
         return _best(tables, 0, cap, start, stop, nested)
 
     if limit is None:
-        return run(None, False)
-    found = [run(limit, False)]  # every step rounded up: never above the limit
+        return _least(run, units, unit)
+    # Every step rounded up: never above the limit (of more work than `known`:
+    # it would lose to it, so it is not kept).
+    found = [_bounded(run, limit, False, known, exact=False)]
     cap = limit
     for _ in range(_NEAREST_TRIES if nearest else 0):
-        plan = run(cap, True)
+        plan = _bounded(run, cap, True, found[0] or known)
         if plan is None:
             break
         excess = model.peak(plan.spans, start, stop, plan.policies) - limit
@@ -120,8 +129,57 @@ def solve(model: RegionModel, limit: Optional[float], *, start: int = 0,
             found.append(plan)
             break
         cap -= excess + cap / units
-    fits = [plan for plan in found if plan is not None]
+    fits = [plan for plan in found if plan is not None
+            and (known is None or plan.value < known.value)]
     return min(fits, key=lambda plan: plan.value) if fits else None
+
+
+def _least(run, units: int, unit: Optional[float]) -> Optional[Solution]:
+    """The least-peak program, run in two passes that find what one finds.
+
+    A plan's peak only grows along its steps, so cells whose peak is above the
+    least peak never lead to it, and the program skips every step above a
+    ``bound`` on it. The bound is the least peak of the program in a unit eight
+    times coarser (each step's bytes rounded up to it: the coarse plan's peak in
+    the fine unit is at most its coarse peak, so the fine least is too). The fine
+    program with the bound fills every cell well below it exactly as without it
+    (a skipped step could only beat or tie a cell within 1e-9 of the bound), so a
+    plan found at most at the coarse least peak is the plan the program finds
+    without a bound, ties included; else (a coarse least rounded below the fine
+    one) the program runs again without one."""
+    coarse_units = max(units // _COARSE, 1)
+    coarse = run(None, False, units=coarse_units,
+                 unit=None if unit is None else unit * units / coarse_units)
+    if coarse is None:
+        return None
+    bound = coarse.value * (1 + _BOUND_SLACK)
+    found = run(None, False, bound=bound)
+    if found is not None and found.value <= coarse.value:
+        return found
+    return run(None, False)
+
+
+def _bounded(run, cap: float, rounded_nearest: bool, known: Optional[Solution],
+             exact: bool = True) -> Optional[Solution]:
+    """``run(cap, rounded_nearest)``, first with the ``known`` plan's work as a
+    bound. Work only grows along a plan's steps, and a step is taken only where it
+    is strictly better, so the bounded program fills every cell of at most the
+    known work as the program does without a bound: a plan found within it is
+    the program's, ties included (the nearest rounding usually finds one: it
+    counts fewer bytes than the rounded-up program). Else the plan is of more
+    work than ``known``: None, or with ``exact`` the program without a bound."""
+    if known is None:
+        return run(cap, rounded_nearest)
+    plan = run(cap, rounded_nearest, bound=known.value * (1 + _BOUND_SLACK))
+    if plan is not None and plan.value <= known.value:
+        return plan
+    return run(cap, rounded_nearest) if exact else None
+
+
+_COARSE = 8  # the bound's program counts in units this many times coarser
+# The bound above the coarse least peak by far more than the ties' 1e-9 (see _relax):
+# no skipped step beats or ties a cell at or below the coarse least.
+_BOUND_SLACK = 1e-6
 
 
 # A step's kind, in the program's back-pointers: 0 is one plain call; a region
@@ -135,12 +193,14 @@ def _decode(kind: int) -> tuple[int, bool]:
     return (kind - 1) // 2, bool((kind - 1) % 2)
 
 
-def _tables(steps, limit, starts, stops, units, unit, nearest=False):
+def _tables(steps, limit, starts, stops, units, unit, nearest=False, bound=np.inf):
     """The programs from cut ``starts[w]`` to ``stops[w]`` for each window ``w``,
     with ``steps(a)`` the steps from cut ``a``: tables (value, work, came_from)
     indexed by (window; state: 0 after a plain call or at the start, 1 after a
     region; cut less the window's start; held units). A step's held bytes are
-    rounded up to whole units, or under ``nearest`` to the nearest.
+    rounded up to whole units, or under ``nearest`` to the nearest. A step whose
+    peak (without a limit) or work (with one) is above ``bound`` is not offered
+    (see :func:`_least` and :func:`_bounded`).
 
     A step lands on a later cut, so the rows at a cut are final when it is
     reached, and its steps (every window's at once) are offered together, as
@@ -181,6 +241,8 @@ def _tables(steps, limit, starts, stops, units, unit, nearest=False):
         cap = np.where((add < size) & (end <= stops[window]), size - np.minimum(add, size), 0)
         if limit is None:
             cap[~(need < np.inf)] = 0
+            if bound < np.inf:
+                cap = np.minimum(cap, np.searchsorted(held_bytes, bound - need, side="right"))
         else:
             cap = np.minimum(cap, np.searchsorted(held_bytes, limit - need, side="right"))
             cap[~np.isfinite(extra)] = 0
@@ -194,9 +256,14 @@ def _tables(steps, limit, starts, stops, units, unit, nearest=False):
             # Each step's source row (one window: one row for all, broadcast).
             one = len(windows) == 1
             frm = row(windows if one else window, source, d)
+            # With a limit and a bound, the steps whose extra work takes even the
+            # least work at the cut above the bound are not offered.
+            room = (bound - np.min(value[windows, source, d, levels[0]:levels[1]])
+                    if limit is not None and bound < np.inf else np.inf)
             for v in range(len(to)):
                 # (a region's next plain call is stepped with the region)
-                rows = np.nonzero((cap[v] > levels[0]) & ((kind[v] > 0) | (source == 0)))[0]
+                rows = np.nonzero((cap[v] > levels[0]) & ((kind[v] > 0) | (source == 0))
+                                  & (extra[v] <= room))[0]
                 if rows.size:
                     _relax(flat, scratch, ((d * 2 + source) * size, frm if one else frm[rows]),
                            levels, (base[v, rows], need[v, rows], extra[v, rows],
@@ -218,17 +285,22 @@ def _relax(flat, scratch, source, levels, step, limit, held_bytes) -> None:
     base, need, extra, kind, cap = (x[:, None] for x in step)
     new_value, new_work, bound, better, tie, less = (
         s[:len(base) * width].reshape(len(base), width) for s in scratch)
+    # The target rows, `width` levels each (not the whole row's: a smaller copy).
+    targets = base[:, 0] + low
     if limit is None:
         np.maximum(np.add(held_bytes[low:high], need, out=new_value),
                    value_rows[source[1] + low][:, :width], out=new_value)
         np.add(work_rows[source[1] + low][:, :width], extra, out=new_work)
+        old_value = sliding_window_view(value, width)[targets]
+        old_work = sliding_window_view(work, width)[targets]
+        np.less(new_value, np.multiply(old_value, 1 - 1e-9, out=bound), out=better)
+        np.less_equal(new_value, np.multiply(old_value, 1 + 1e-9, out=bound), out=tie)
+        better |= np.logical_and(tie, np.less(new_work, old_work, out=less), out=tie)
     else:
+        # Value is work: "below by 1e-9, or within it and of less work" is "less",
+        # exactly (work is never negative).
         new_work = np.add(value_rows[source[1] + low][:, :width], extra, out=new_value)
-    old_value = value_rows[base[:, 0] + low][:, :width]
-    old_work = old_value if work is value else work_rows[base[:, 0] + low][:, :width]
-    np.less(new_value, np.multiply(old_value, 1 - 1e-9, out=bound), out=better)
-    np.less_equal(new_value, np.multiply(old_value, 1 + 1e-9, out=bound), out=tie)
-    better |= np.logical_and(tie, np.less(new_work, old_work, out=less), out=tie)
+        np.less(new_value, sliding_window_view(value, width)[targets], out=better)
     if cap.min() < high:  # the levels where it does not fit
         better &= np.arange(low, high) < cap
     taken = np.flatnonzero(better)
