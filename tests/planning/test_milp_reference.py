@@ -111,6 +111,30 @@ def test_offering_a_policy_never_costs_replay(monkeypatch):
         assert planned.value == min(plan.value for plan in both), share
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_the_bounded_program_finds_the_plans_of_the_unbounded_one(monkeypatch, seed):
+    """Decision 0052: the program skips steps above a bound (a coarser program's
+    least peak; a known plan's work), and finds the very plans it finds without
+    one, ties included, at every limit from below the least to above plain, with
+    and without the smaller choice of policies solved first. An infinite slack
+    turns the bounds off."""
+    model = region_model(_residual(10 + 3 * seed), seed=seed)
+    nested = nested_options(model)
+    limits = []
+
+    def plans() -> list:
+        least = solve(model, None, nested=nested)
+        limits[:] = limits or [least.value + f * (model.peak(()) - least.value)
+                               for f in np.linspace(-0.05, 1.05, 9)]
+        return [least] + [solve(model, limit, nested=nested, base_policies=base)
+                          for limit in limits for base in (None, 0)]
+
+    bounded = plans()
+    monkeypatch.setattr(_region_solver, "_BOUND_SLACK", np.inf)
+    assert plans() == bounded
+    assert sum(plan is not None and bool(plan.spans) for plan in bounded) >= 10
+
+
 def test_the_milp_plan_is_a_plan_of_the_program():
     pytest.importorskip("scipy")
     model = region_model(GRAPHS["residual"](), seed=0)
