@@ -11,7 +11,11 @@ replay time.
 The program runs on NumPy arrays (the pure-Python loop over cuts, ends and
 steps took seconds on a ResNet50): the steps from one cut are offered together,
 and ``nested_options`` runs its programs from every start at once (see
-:func:`_tables`); the plans are those of that loop, ties included.
+:func:`_tables`); the plans are those of that loop, ties included. The steps
+from a cut are made by :mod:`._region_steps`. The program skips the steps that cannot
+win, under a bound on the peak (the least plan) or on the work (a limit), and
+finds the same plans (:func:`_least`, :func:`_bounded`; see
+docs/decisions/0052-region-program-skips-steps-that-cannot-win.md).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from tf_checkpointing.planning._constants import (
 )
 from tf_checkpointing.planning._constants import REGION_NEAREST_TRIES as _NEAREST_TRIES
 from tf_checkpointing.planning._constants import REGION_UNITS as _UNITS
+from tf_checkpointing.planning.solving._region_steps import Steps, steps_from
 from tf_checkpointing.planning.solving._regions import RegionModel
 
 __all__ = ["NO_POLICY", "Solution", "nested_options", "solve"]
@@ -106,8 +111,8 @@ def solve(model: RegionModel, limit: Optional[float], *, start: int = 0,
             unit: Optional[float] = unit, bound: float = np.inf) -> Optional[Solution]:
         size = unit or max(cap if cap is not None else model.peak(()), 1.0) / units
 
-        def steps(a: int) -> _Steps:
-            return _steps(model, nested, a,
+        def steps(a: int) -> Steps:
+            return steps_from(model, nested, a,
                           stop if max_len is None else min(stop, a + max_len), stop)
 
         tables = _tables(steps, cap, np.array([start]), np.array([stop]), units, size,
@@ -336,62 +341,6 @@ def _best(tables, window, limit, start, stop, nested) -> Optional[Solution]:
     return Solution(result, tuple(reversed(spans)), tuple(reversed(policies)))
 
 
-def _regions(model: RegionModel, nested: Optional[dict], a: int, last: int) -> np.ndarray:
-    """Each region ``[a, c)`` for ``c`` in ``(a, last]``, per variant (0 flat, 1 with
-    checkpoints inside its replay, 2 + p replayed under policy p), as (need,
-    held bytes, extra work), indexed [quantity, variant, c - a - 1]; a variant not
-    offered is all inf (no held level has room for it)."""
-    ends, absent = range(a + 1, last + 1), (np.inf, np.inf, np.inf)
-    live = [model.held(a, c, True) for c in ends]
-    work = [model.work(a, c) for c in ends]
-    nested = nested or {}
-    variants = [
-        list(zip([model.need(a, c, True) for c in ends], live, work)),
-        [(nested[a, c][0], held, extra + nested[a, c][1]) if (a, c) in nested else absent
-         for c, held, extra in zip(ends, live, work)],
-    ]
-    for p in range(model.num_policies):
-        # A policy that keeps nothing is the same as a full replay.
-        variants.append([(model.need(a, c, True, p), held + kept, model.work(a, c, p))
-                         if kept > 0 else absent for c, held, kept in
-                         zip(ends, live, (model.policy_kept(a, c, p) for c in ends))])
-    return np.array(variants, float).reshape(len(variants), last - a, 3).transpose(2, 0, 1)
-
-
-class _Steps(NamedTuple):
-    """The steps from one cut, each indexed [variant, row] (see :func:`_steps`)."""
-
-    to: np.ndarray  # the state it ends in
-    end: np.ndarray  # the cut it ends at
-    need: np.ndarray
-    held: np.ndarray
-    extra: np.ndarray  # work
-    kind: np.ndarray  # see _KINDS
-
-
-def _steps(model: RegionModel, nested: Optional[dict], a: int, last: int, stop: int) -> _Steps:
-    """The steps from cut ``a``: for each ``c`` in ``(a, last]``, region ``[a, c)``
-    (:func:`_regions`), then the same followed by the plain call ``c`` (if
-    ``c < stop``), whose held bytes count during the region's backward (see the
-    module), then one plain call (variant 0; not offered in the others)."""
-    need, held, extra = _regions(model, nested, a, last)
-    then = np.arange(a + 1, min(last, stop - 1) + 1)  # the calls that can follow
-    f, kinds = len(then), 1 + 2 * np.arange(len(need))[:, None]
-    alone = np.full((3, len(need), 1), np.inf)
-    alone[:, 0, 0] = model.need(a, a + 1, False), model.held(a, a + 1, False), 0.0
-
-    def rows(regions, followed, plain):  # [variant, row]: the three groups of rows
-        return np.hstack([np.broadcast_to(group, (len(need), width))
-                          for group, width in zip((regions, followed, plain), (last - a, f, 1))])
-
-    return _Steps(
-        to=rows(1, 0, 0), end=rows(np.arange(a + 1, last + 1), then + 1, a + 1),
-        need=rows(need, np.maximum(need[:, :f] + model.plain_held[then],
-                                   held[:, :f] + model.plain_need[then]), alone[0]),
-        held=rows(held, held[:, :f] + model.plain_held[then], alone[1]),
-        extra=rows(extra, extra[:, :f], alone[2]), kind=rows(kinds, kinds + 1, 0))
-
-
 def nested_options(model: RegionModel, max_len: int = NESTED_MAX_LEN,
                    units: int = NESTED_UNITS) -> dict:
     """For each region ``[a, c)`` of at most ``max_len`` calls, the least peak of
@@ -405,7 +354,8 @@ def nested_options(model: RegionModel, max_len: int = NESTED_MAX_LEN,
                1.0) / units
     # The programs from every start run at once, and share the steps from each
     # cut (as far as any of them reaches; each takes those within its stop).
-    steps = functools.cache(lambda a: _steps(replay, None, a, min(model.n, a + max_len), model.n))
+    steps = functools.cache(
+        lambda a: steps_from(replay, None, a, min(model.n, a + max_len), model.n))
     starts = np.arange(model.n)
     stops = np.minimum(model.n, starts + max_len)
     tables = _tables(steps, None, starts, stops, units, unit)
