@@ -106,6 +106,18 @@ def targets(rows: list[dict], parallel: int = 1) -> list[tuple[str, str, bool]]:
                 speed = _speed(half, plain)
                 out.append((f"{model}{' XLA' if xla else ''}: halfway budget step time <= 1.2x "
                             "plain", f"{speed:.2f}x", speed <= 1.2))
+    for r in rows:  # issue 50: half of plain's peak, at most 1.10x its step time
+        if r["strategy"] == "budget 1/2 plain":
+            where = f"{r['model']}{' XLA' if r.get('xla') else ''}"
+            plain = _plain(rows, r["model"], r.get("xla", False))
+            if "peak_mib" not in r or not plain:
+                out.append((f"{where}: budget 1/2 plain: step <= 1.10x plain, peak <= "
+                            "0.525x plain", r.get("error", "not measured"), False))
+                continue
+            speed, share = _speed(r, plain), r["peak_mib"] / plain["peak_mib"]
+            out.append((f"{where}: budget 1/2 plain: step <= 1.10x plain, peak <= 0.525x "
+                        "plain", f"{speed:.2f}x, peak {share:.3f}x",
+                        speed <= 1.10 and share <= 0.525))
     for r in rows:  # policies on the decoder at half the plain peak
         if r["strategy"] == "budget 1/2 plain policies=auto" and "peak_mib" in r:
             plain = _plain(rows, r["model"], False)
