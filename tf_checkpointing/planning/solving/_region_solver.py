@@ -155,8 +155,8 @@ def _least(run, units: int, unit: Optional[float]) -> Optional[Solution]:
     coarse_units = max(units // _COARSE, 1)
     coarse = run(None, False, units=coarse_units,
                  unit=None if unit is None else unit * units / coarse_units)
-    if coarse is None:
-        return None
+    if coarse is None:  # (held bytes beyond the coarse table: no bound to take)
+        return run(None, False)
     bound = coarse.value * (1 + _BOUND_SLACK)
     found = run(None, False, bound=bound)
     if found is not None and found.value <= coarse.value:
