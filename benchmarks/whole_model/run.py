@@ -253,9 +253,8 @@ def _plans(model: Any, x: Any, budgets: int, wanted: Any, *, xla: bool,
         # budget at plain's peak measures the XLA steps, whose least and plain it reports.
         anchored = tc.plan_model(model, x, budget=2**50, mode="xla")
         for fraction in fractions:
-            if wanted(f"budget {fraction:.2f}"):
-                out["xla"].append((f"budget {fraction:.2f}", tc.plan_model(
-                    model, x, budget=between(anchored, fraction), mode="xla"), fraction, None))
+            out["xla"].append((f"budget {fraction:.2f}", tc.plan_model(
+                model, x, budget=between(anchored, fraction), mode="xla"), fraction, None))
         half_xla = anchored.plain_peak_bytes // 2  # half of the XLA step's plain peak
         if wanted("budget 1/2 plain") and half_xla >= anchored.min_budget_bytes:
             out["xla"].append(("budget 1/2 plain", tc.plan_model(
