@@ -120,14 +120,13 @@ def test_the_bounded_program_finds_the_plans_of_the_unbounded_one(monkeypatch, s
     turns the bounds off."""
     model = region_model(_residual(10 + 3 * seed), seed=seed)
     nested = nested_options(model)
-    limits = []
+    least = solve(model, None, nested=nested).value
+    limits = [least + f * (model.peak(()) - least) for f in np.linspace(-0.05, 1.05, 9)]
 
     def plans() -> list:
-        least = solve(model, None, nested=nested)
-        limits[:] = limits or [least.value + f * (model.peak(()) - least.value)
-                               for f in np.linspace(-0.05, 1.05, 9)]
-        return [least] + [solve(model, limit, nested=nested, base_policies=base)
-                          for limit in limits for base in (None, 0)]
+        return [solve(model, None, nested=nested)] + [
+            solve(model, limit, nested=nested, base_policies=base)
+            for limit in limits for base in (None, 0)]
 
     bounded = plans()
     monkeypatch.setattr(_region_solver, "_BOUND_SLACK", np.inf)
