@@ -16,6 +16,12 @@ __all__: list[str] = []
 # Share of a budget every plan keeps free: a fragmented allocator hands out blocks
 # up to twice a tensor's size, which no per-layer profile sees (docs/decisions/0009-headroom.md).
 HEADROOM = 0.10
+# The share a whole-model plan keeps free under XLA: each such plan compared with a
+# budget is a compiled step measured to the byte (one buffer, the same in every
+# step), and Keras' own XLA step read at most 4.7% above the planner's measurement
+# (docs/decisions/0053-xla-plans-keep-less-headroom.md). Chains keep HEADROOM: their
+# XLA plans are predicted, not measured.
+XLA_HEADROOM = 0.05
 # A tf.function plan's allocator chunks over its tensors, at the least plan: the
 # middle of the range measured on checkpointed plans (docs/decisions/0019-chunk-factor.md).
 CHUNKS = 1.10

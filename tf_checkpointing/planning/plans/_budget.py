@@ -15,11 +15,11 @@ from typing import Any, Literal, Union
 import numpy as np
 
 # _LEAST_BYTES: a smaller budget is a unit slip (MiB, GiB), not bytes.
-from tf_checkpointing.planning._constants import HEADROOM, LEAST_BUDGET_SLACK
+from tf_checkpointing.planning._constants import HEADROOM, LEAST_BUDGET_SLACK, XLA_HEADROOM
 from tf_checkpointing.planning._constants import LEAST_BYTES as _LEAST_BYTES
 from tf_checkpointing.planning._errors import PlanningTypeError, PlanningValueError
 
-__all__ = ["Budget", "LEAST", "below_least", "expect_budget", "plain_fits"]
+__all__ = ["Budget", "LEAST", "below_least", "expect_budget", "model_headroom", "plain_fits"]
 
 LEAST = "min"
 """The budget that asks for the least memory any plan needs."""
@@ -50,6 +50,20 @@ def below_least(budget: int, min_budget: int) -> bool:
         (False, True)
     """
     return budget < min_budget * (1 - LEAST_BUDGET_SLACK)
+
+
+def model_headroom(mode: str) -> float:
+    """The share of a budget a whole-model plan for a step of ``mode`` keeps free:
+    ``HEADROOM`` for the allocator's chunks, which no profile sees; under XLA
+    (``mode`` "xla") only ``XLA_HEADROOM``, for every plan compared with the budget
+    there is a compiled step whose one buffer was measured to the byte
+    (docs/decisions/0053-xla-plans-keep-less-headroom.md).
+
+        >>> from tf_checkpointing.planning.plans._budget import model_headroom
+        >>> model_headroom("graph"), model_headroom("xla")
+        (0.1, 0.05)
+    """
+    return XLA_HEADROOM if mode == "xla" else HEADROOM
 
 
 def plain_fits(budget: int, plain_peak: int, mode: str) -> bool:

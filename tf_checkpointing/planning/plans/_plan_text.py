@@ -19,17 +19,19 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 from tf_checkpointing.planning._constants import HEADROOM, LEAST_BUDGET_SLACK
+from tf_checkpointing.planning.plans._budget import model_headroom
 
 __all__ = ["model_plan_text", "plan_text", "policy_name"]
 
 
-def plan_text(plan: Any) -> str:
-    """``str(plan)`` of a :class:`~._plan.Plan`: its summary line and its pieces."""
+def plan_text(plan: Any, headroom: float = HEADROOM) -> str:
+    """``str(plan)`` of a :class:`~._plan.Plan`: its summary line and its pieces
+    (``headroom``: the share of its budget the plan kept free)."""
     head = f"{type(plan).__name__}"
     head += f" ({plan.mode})" if plan.mode else ""
     head += f": {_count_of(plan.num_layers, 'layer')}"
     if plan.budget_bytes is not None:
-        head += _budget_text(plan)
+        head += _budget_text(plan, headroom)
     regions = sum(p.checkpointed for p in plan.pieces)
     head += (f"; {_count_of(regions, 'checkpointed region')}, "
              f"{_count_of(plan.extra_forward_layers, 'extra layer forward')} "
@@ -46,7 +48,7 @@ def plan_text(plan: Any) -> str:
 def model_plan_text(plan: Any) -> str:
     """``str(plan)`` of a :class:`~._plan.ModelPlan`: a plan's, with the blocks
     inside layer calls and the predicted step time added to its summary."""
-    head, _, rest = plan_text(plan).partition("\n")
+    head, _, rest = plan_text(plan, model_headroom(plan.mode)).partition("\n")
     if plan.blocks:
         shown = list(plan.block_names[:3]) + (["..."] if len(plan.block_names) > 3 else [])
         head += (f"; {_count_of(len(plan.blocks), 'block')} inside layer calls "
@@ -68,7 +70,7 @@ def policy_name(policy: Any) -> str:
     return getattr(policy, "__name__", None) or repr(policy)
 
 
-def _budget_text(plan: Any) -> str:
+def _budget_text(plan: Any, headroom: float) -> str:
     """The budget, the predicted peak against plain's, and the least budget."""
     budget = "min" if plan.budget_bytes == "min" else _mib(plan.budget_bytes)
     text = f", budget {budget} -> predicted peak {_mib(plan.predicted_peak_bytes)}"
@@ -78,7 +80,7 @@ def _budget_text(plan: Any) -> str:
     else:
         text += f" (plain step {_mib(plan.plain_peak_bytes)})"
     return text + (f"; least budget {_mib(plan.min_budget_bytes)} (a plan's predicted peak "
-                   f"stays within {1 - HEADROOM:.0%} of its budget; up to "
+                   f"stays within {1 - headroom:.0%} of its budget; up to "
                    f"{LEAST_BUDGET_SLACK:.0%} below it, the least plan)")
 
 

@@ -14,13 +14,18 @@ import gc
 import warnings
 from typing import Any, Optional
 
-from tf_checkpointing.planning._constants import HEADROOM as _HEADROOM
 from tf_checkpointing.planning._errors import BudgetTooLow, caller
 from tf_checkpointing.planning.layer_graph._blocks import sublayers
 from tf_checkpointing.planning.layer_graph._layer_graph import LayerGraph
 from tf_checkpointing.planning.measuring import _progress
 from tf_checkpointing.planning.measuring._leave_no_trace import nothing_left
-from tf_checkpointing.planning.plans._budget import LEAST, Budget, below_least, plain_fits
+from tf_checkpointing.planning.plans._budget import (
+    LEAST,
+    Budget,
+    below_least,
+    model_headroom,
+    plain_fits,
+)
 from tf_checkpointing.planning.plans._plan import ModelPlan, PlanRunner
 from tf_checkpointing.planning.solving._planning import PLAIN, Option, Planning
 from tf_checkpointing.planning.solving._region_solver import Solution
@@ -110,11 +115,12 @@ def _budget_plan(planning: Planning, budget: int) -> ModelPlan:
     if plain_fits(budget, planning.plain_peak, planning.mode):
         return planning.plan(Option(PLAIN))
     min_budget = planning.min_budget()
+    headroom = model_headroom(planning.mode)
     if below_least(budget, min_budget):
         raise BudgetTooLow(  # the API the user called names itself (see planning._errors)
             "argument `budget` is below the least memory any plan of "
             f"`{planning.graph.model.name}` needs (its least predicted peak, plus "
-            f"{_HEADROOM:.0%} for the allocator): expected at least {min_budget} bytes "
+            f"{headroom:.0%} for the allocator): expected at least {min_budget} bytes "
             f"({min_budget / 2**20:.2f} MiB), received budget={budget} "
             f"({budget / 2**20:.2f} MiB). Raise the budget, pass budget='min', or use a "
             "smaller batch.", budget=budget, least=min_budget)
@@ -122,7 +128,7 @@ def _budget_plan(planning: Planning, budget: int) -> ModelPlan:
         # Within the slack below the least (another process's reading of it): the
         # least plan, which fits such a budget with most of the headroom.
         return _least_plan(planning, warn=False)
-    usable = budget * (1 - _HEADROOM)
+    usable = budget * (1 - headroom)
     if planning.predict(planning.least.value) <= usable:
         found, measured = _regions_within(planning, usable)
         return planning.plan(Option(found if found is not None else planning.least),

@@ -16,7 +16,6 @@ import math
 from typing import Any, NamedTuple, Optional
 
 from tf_checkpointing.planning._constants import CHUNKS as _CHUNKS
-from tf_checkpointing.planning._constants import HEADROOM as _HEADROOM
 from tf_checkpointing.planning._constants import SELECTION_MARGIN as _SELECTION_MARGIN
 from tf_checkpointing.planning.layer_graph._blocks import (
     BlockRef,
@@ -31,7 +30,7 @@ from tf_checkpointing.planning.layer_graph._graph_choices import policy_arrays
 from tf_checkpointing.planning.layer_graph._layer_graph import LayerGraph
 from tf_checkpointing.planning.measuring._modes import step_mode
 from tf_checkpointing.planning.measuring._whole_step import StepReading
-from tf_checkpointing.planning.plans._budget import LEAST
+from tf_checkpointing.planning.plans._budget import LEAST, model_headroom
 from tf_checkpointing.planning.plans._plan import ModelPlan, PlanRunner, pieces_of_spans
 from tf_checkpointing.planning.solving._model_profile import (
     cached_choices,
@@ -222,7 +221,7 @@ class Planning:
         (predicted) and of the selections (measured), plus the headroom."""
         least = min([self.predict(self.least.value),
                      *(self.measure(option) for option in self.selections())])
-        return min(int(math.ceil(least / (1 - _HEADROOM))), self.plain_peak)
+        return min(int(math.ceil(least / (1 - model_headroom(self.mode)))), self.plain_peak)
 
     def plan(self, option: Option, predicted: Optional[float] = None) -> ModelPlan:
         """The :class:`ModelPlan` of ``option`` (``predicted``: its measured peak)."""
