@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import re
 import statistics
 import sys
 import time
@@ -152,10 +153,11 @@ def table(rows: list[dict]) -> str:
                      f"{_mib(statistics.median(plain['peaks_mib']))} | - | 1.00x | - |")
         for r in group:
             if r["budget_mib"] is not None and "error" in r:
+                error = re.sub(r"\x1b\[[0-9;]*m", "", r["error"])  # a terminal's bold
                 lines.append(f"| {model} | {mode_name} | {_mib(r['budget_mib'])} | "
-                             f"failed: {r['error']} |||||||")
+                             f"failed: {error} |||||||")
                 targets.append(f"- {model} {mode_name}: the budget of {_mib(r['budget_mib'])} "
-                               f"MiB trains: NOT met ({r['error']})")
+                               f"MiB trains: NOT met ({error})")
         for r in budgets:
             peak = max(r["peaks_mib"])
             predicted = r.get("predicted_step_s")
