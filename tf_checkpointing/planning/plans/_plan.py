@@ -87,8 +87,10 @@ class Plan:
             as the planner predicts it.
         plain_peak_bytes: the measured peak of the step without checkpointing.
         min_budget_bytes: the least budget: the least predicted peak of any
-            plan, plus headroom for the allocator. A budget up to 5% below it
-            gets the least plan (docs/decisions/0046-least-budget-slack.md).
+            plan, plus the headroom plans keep free (10%; whole-model plans under
+            XLA 5%, docs/decisions/0053-xla-plans-keep-less-headroom.md). A budget
+            up to 5% below it gets the least plan
+            (docs/decisions/0046-least-budget-slack.md).
         policies: the save policies the planner could choose per region; empty
             when it chose only between plain and full replays.
         predicted_extra_seconds: the replay time per step the plan adds, as the

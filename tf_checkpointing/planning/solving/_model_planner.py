@@ -120,7 +120,7 @@ def _budget_plan(planning: Planning, budget: int) -> ModelPlan:
         raise BudgetTooLow(  # the API the user called names itself (see planning._errors)
             "argument `budget` is below the least memory any plan of "
             f"`{planning.graph.model.name}` needs (its least predicted peak, plus "
-            f"{headroom:.0%} for the allocator): expected at least {min_budget} bytes "
+            f"{headroom:.0%} kept free): expected at least {min_budget} bytes "
             f"({min_budget / 2**20:.2f} MiB), received budget={budget} "
             f"({budget / 2**20:.2f} MiB). Raise the budget, pass budget='min', or use a "
             "smaller batch.", budget=budget, least=min_budget)
