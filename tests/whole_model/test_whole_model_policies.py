@@ -4,6 +4,8 @@ planner choosing a policy where it pays, the plan shown, clear errors, and
 the budget kept (measured in a process of its own)."""
 
 
+import re
+
 import keras
 import numpy as np
 import pytest
@@ -12,6 +14,7 @@ from helpers import assert_all_close, grads_of, ran_in_fresh_process, sgd_step
 
 import tf_checkpointing as tc
 from tf_checkpointing import policies
+from tf_checkpointing.core._residuals import _executed  # the ops a tf.function runs
 from tf_checkpointing.planning.layer_graph._layer_graph import read_graph
 from tf_checkpointing.planning.measuring import _choices
 
@@ -76,6 +79,46 @@ def test_a_plan_replaying_regions_under_policies_equals_plain(mode):
     assert any(r.why == "kept by the save policy" for r in kept), kept
     assert "checkpointed with dots_saveable" in str(plan)
     assert "checkpointed with dots_with_no_batch_dims_saveable" in str(plan)
+
+
+def _conv_bn_net():
+    """Convolutions with BatchNormalizations between them: a replay updates (and
+    keeps out of the variables) moving statistics after each convolution."""
+    keras.utils.set_random_seed(0)
+    x = keras.Input((8, 8, 4))
+    h = x
+    for i in range(3):
+        h = keras.layers.Conv2D(8, 3, padding="same", name=f"conv{i}")(h)
+        h = keras.layers.BatchNormalization(name=f"bn{i}")(h)
+        h = keras.layers.ReLU(name=f"relu{i}")(h)
+    return keras.Model(x, keras.layers.Conv2D(2, 1, name="head")(h))
+
+
+@pytest.mark.parametrize("mode", ["graph", "xla"])
+def test_a_region_keeps_its_policys_tensors_past_a_batchnorm(mode):
+    """A region under dots_saveable replays no convolution, the ones after its
+    BatchNormalizations included: the replay's moving-statistics values (which
+    the forward assigned) do not stop it matching the forward's ops."""
+    x = tf.random.stateless_normal([4, 8, 8, 4], [0, 1])
+
+    def convolutions(model):
+        step = tf.function(lambda x: grads_of(lambda x: model(x, training=True), [x],
+                                              model.trainable_variables, "eager"),
+                           jit_compile=mode == "xla")
+        if mode == "xla":
+            hlo = step.experimental_get_compiler_ir(x)(stage="optimized_hlo")
+            return len(re.findall(r"= \S+ convolution\(", hlo))
+        graph = step.get_concrete_function(x).graph
+        return sum(op.type.startswith("Conv2D") for op in _executed(graph))
+
+    plain = convolutions(_conv_bn_net())
+    model = _conv_bn_net()
+    names = [call.name for call in read_graph(model).calls]
+    tc.apply_checkpointing(model, plan=tc.ModelPlan.from_regions(model, [names], policies=[DOTS]))
+    assert convolutions(model) == plain
+    replayed = _conv_bn_net()
+    tc.apply_checkpointing(replayed, plan=tc.ModelPlan.from_regions(replayed, [names]))
+    assert convolutions(replayed) > plain  # the count sees a replay
 
 
 def _fixed_step_times(calls, *args, **kwargs):

@@ -22,7 +22,10 @@ replay skip the draw; and a kept tensor read only by a ``Transpose`` or
 Replayed ops are matched to recorded ones by position, op type and output
 shapes; a mismatch (a function that builds another graph when replayed) stops
 the substitution for the rest of that replay, which then recomputes: slower,
-never wrong.
+never wrong. Ops a replay makes that its forward has no counterpart of are
+built under :func:`unmatched` and not counted: the value of a write a replay
+keeps out of its variable (``_state.WritesKeptOut``: a BatchNormalization's
+moving statistics), which the forward assigned with an op no policy sees.
 
 Eager execution runs each op before any callback sees it and cannot take a
 replacement value, so in eager mode nothing extra is kept and the replay
@@ -58,6 +61,19 @@ _NOT_REPLACEABLE = frozenset((
 _PASS_OVER = frozenset(("Transpose", "BiasAdd"))
 
 _pending = threading.local()
+_unmatched = threading.local()
+
+
+@contextlib.contextmanager
+def unmatched() -> Iterator[None]:
+    """Ops built inside are neither recorded nor matched by a save policy's
+    callbacks: what a replay adds that its forward does not have."""
+    previous = getattr(_unmatched, "on", False)
+    _unmatched.on = True
+    try:
+        yield
+    finally:
+        _unmatched.on = previous
 
 
 def checkpoint_name(x: Any, name: str) -> Any:
@@ -185,7 +201,7 @@ class _Record:
         self.positions: dict[str, int] = {}  # op name -> position in saver.ops
 
     def __call__(self, op_type, inputs, attrs, outputs, op_name=None, graph=None):
-        if graph is not self.graph:
+        if graph is not self.graph or getattr(_unmatched, "on", False):
             return outputs
         drawn = op_name is not None and self._drawn(op_type, inputs)
         if drawn:
@@ -271,7 +287,7 @@ class _Substitute:
         return kept + tf.cast(tf.where(self.true, 0.0, float("nan")), kept.dtype)
 
     def __call__(self, op_type, inputs, attrs, outputs, op_name=None, graph=None):
-        if self.broken or graph is not self.graph:
+        if self.broken or graph is not self.graph or getattr(_unmatched, "on", False):
             return outputs
         if candidate_outputs(op_type, inputs, outputs, op_name, graph) is None:
             return outputs

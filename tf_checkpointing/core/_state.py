@@ -31,6 +31,7 @@ import keras
 import tensorflow as tf
 
 from tf_checkpointing.core._internals import gen_resource_variable_ops, op_callbacks
+from tf_checkpointing.core._save_policies import unmatched
 
 __all__: list[str] = []
 
@@ -215,11 +216,15 @@ class WritesKeptOut(keras.StatelessScope):
 
     def add_update(self, update: tuple[Any, Any]) -> None:
         variable, value = update
-        value = tf.stop_gradient(value)
-        if variable.trainable:
-            # A read of the variable itself (the tf.Variable under the Keras
-            # one), which the tape records: worth 0 in value, its gradient
-            # reaches the variable.
-            read = tf.convert_to_tensor(variable._value)  # noqa: SLF001
-            value = value + (read - tf.stop_gradient(read))
+        # The forward assigned with an op no save policy sees: these ops are
+        # not matched against it (else a policy's replay stops reusing what it
+        # kept at the first BatchNormalization, and recomputes the rest).
+        with unmatched():
+            value = tf.stop_gradient(value)
+            if variable.trainable:
+                # A read of the variable itself (the tf.Variable under the Keras
+                # one), which the tape records: worth 0 in value, its gradient
+                # reaches the variable.
+                read = tf.convert_to_tensor(variable._value)  # noqa: SLF001
+                value = value + (read - tf.stop_gradient(read))
         super().add_update((variable, value))
