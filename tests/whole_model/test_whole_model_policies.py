@@ -82,8 +82,8 @@ def test_a_plan_replaying_regions_under_policies_equals_plain(mode):
 
 
 def _conv_bn_net():
-    """Convolutions with BatchNormalizations between them: a replay updates (and
-    keeps out of the variables) moving statistics after each convolution."""
+    """Convolutions with BatchNormalizations and dropout between them: a replay
+    updates (and keeps out of the variables) moving statistics and seeds."""
     keras.utils.set_random_seed(0)
     x = keras.Input((8, 8, 4))
     h = x
@@ -91,14 +91,16 @@ def _conv_bn_net():
         h = keras.layers.Conv2D(8, 3, padding="same", name=f"conv{i}")(h)
         h = keras.layers.BatchNormalization(name=f"bn{i}")(h)
         h = keras.layers.ReLU(name=f"relu{i}")(h)
+        h = keras.layers.Dropout(0.1, seed=i, name=f"drop{i}")(h)
     return keras.Model(x, keras.layers.Conv2D(2, 1, name="head")(h))
 
 
 @pytest.mark.parametrize("mode", ["graph", "xla"])
 def test_a_region_keeps_its_policys_tensors_past_a_batchnorm(mode):
     """A region under dots_saveable replays no convolution, the ones after its
-    BatchNormalizations included: the replay's moving-statistics values (which
-    the forward assigned) do not stop it matching the forward's ops."""
+    BatchNormalizations and dropout included: the values of moving statistics and
+    seeds the replay keeps out of the variables (which the forward assigned) do
+    not stop it matching the forward's ops."""
     x = tf.random.stateless_normal([4, 8, 8, 4], [0, 1])
 
     def convolutions(model):
