@@ -49,7 +49,11 @@ from tf_checkpointing.core._recompute import (
     needs_checkpoint,
 )
 from tf_checkpointing.core._state import WritesKeptOut
-from tf_checkpointing.planning.layer_graph._blocks import block_layers, inner_block_choices
+from tf_checkpointing.planning.layer_graph._blocks import (
+    block_layers,
+    holds_filter,
+    inner_block_choices,
+)
 from tf_checkpointing.planning.layer_graph._layer_graph import (
     Key,
     LayerGraph,
@@ -215,13 +219,8 @@ def _filters_wait_under_xla(pieces: tuple[Segment, ...],
         return pieces
     return tuple(
         Segment(piece.start, piece.stop, True, (), policies.everything_saveable)
-        if not piece.checkpointed and _holds_filter(graph, piece) else piece
+        if not piece.checkpointed and holds_filter(graph, piece.start, piece.stop) else piece
         for piece in pieces)
-
-
-def _holds_filter(graph: LayerGraph, piece: Segment) -> bool:
-    return any(len(weight.shape) >= 3 for call in graph.calls[piece.start:piece.stop]
-               for weight in getattr(call.layer, "weights", ()))
 
 
 def _writes_kept_out(*, replay: bool, flat: bool) -> Any:

@@ -12,6 +12,7 @@ import tf_checkpointing as tc
 from tf_checkpointing.planning.layer_graph._blocks import (
     block_spans,
     named_block_spans,
+    plain_filters_replayed,
     segment_spans,
 )
 from tf_checkpointing.planning.layer_graph._layer_graph import read_graph
@@ -126,3 +127,41 @@ def test_a_selection_is_measured_only_where_its_prediction_leaves_it_a_chance(mo
     graph = read_graph(_model_of_named_blocks())
     selections = {named_block_spans(graph), segment_spans(graph)}
     assert set(measured) & selections == (selections if margin > 1 else set())
+
+
+def _conv_net():
+    """Conv-BN-ReLU layers, a head of a Dense layer: filters in every stretch
+    but the head."""
+    keras.utils.set_random_seed(0)
+    x = keras.Input((8, 8, 3))
+    h = x
+    for k in range(4):
+        h = keras.layers.Conv2D(8, 3, padding="same", name=f"conv{k}")(h)
+        h = keras.layers.BatchNormalization(name=f"bn{k}")(h)
+        h = keras.layers.ReLU(name=f"relu{k}")(h)
+    return keras.Model(x, keras.layers.Dense(2, name="head")(keras.layers.Flatten()(h)))
+
+
+def test_an_xla_least_plan_is_also_measured_with_its_plain_filters_replayed():
+    """Under XLA the least plan's plain pieces that hold a filter would save
+    everything; the plan with them replayed in full is one more candidate, its
+    own regions under their policies, the new ones fully replayed."""
+    from tf_checkpointing._graph_runner import model_runner
+    from tf_checkpointing.planning.solving._region_solver import NO_POLICY, Solution
+
+    model = _conv_net()
+    graph = read_graph(model)
+    names = [call.name for call in graph.calls]
+    planning = _planning.Planning.start(graph, tf.random.stateless_normal([8, 8, 8, 3], [0, 1]),
+                                        None, mode="xla", runner=model_runner(graph),
+                                        policies=())
+    bn1, relu3 = names.index("bn1"), names.index("relu3")
+    planning.least = Solution(1.0, ((bn1, relu3 + 1, ()),), (0,))  # conv0 and the head plain
+    replayed = plain_filters_replayed(graph, planning.least.spans)
+    assert replayed == ((0, bn1, ()), (bn1, relu3 + 1, ()))  # not the head: no filter
+    options = [o.solution for o in planning.selections()]
+    assert [(o.spans, o.policies) for o in options if o.spans == replayed] == [
+        (replayed, (NO_POLICY, 0))]
+    # Where no stretch that holds a filter is plain, nothing more to measure.
+    planning.least = Solution(1.0, replayed, (NO_POLICY, 0))
+    assert all(o.solution.spans != replayed for o in planning.selections())

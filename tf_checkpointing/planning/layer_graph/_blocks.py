@@ -23,8 +23,9 @@ from typing import Any
 
 from tf_checkpointing.planning.layer_graph._layer_graph import LayerGraph, last_uses, tensor_keys
 
-__all__ = ["BlockRef", "block_layers", "block_spans", "candidate_layers", "inner_block_choices",
-           "named_block_spans", "segment_spans", "sublayers"]
+__all__ = ["BlockRef", "block_layers", "block_spans", "candidate_layers", "holds_filter",
+           "inner_block_choices", "named_block_spans", "plain_filters_replayed", "segment_spans",
+           "sublayers"]
 
 BlockRef = tuple[int, int]
 """A sublayer of a layer call: ``(call index, index in sublayers(call.layer))``."""
@@ -110,6 +111,41 @@ def segment_spans(graph: LayerGraph, min_calls: int = _MIN_SEGMENT) -> tuple:
             bounds.append(cut)
     pieces = [(a, c, ()) for a, c in zip(bounds, bounds[1:])]
     return tuple(pieces) if len(pieces) >= 2 else ()
+
+
+def holds_filter(graph: LayerGraph, start: int, stop: int) -> bool:
+    """Whether calls ``start:stop`` read a filter (a weight of rank 3 or more),
+    which XLA turns for a convolution's backward (see
+    docs/decisions/0004-filters-that-wait.md)."""
+    return any(len(weight.shape) >= 3 for call in graph.calls[start:stop]
+               for weight in getattr(call.layer, "weights", ()))
+
+
+def plain_filters_replayed(graph: LayerGraph, spans: tuple) -> tuple:
+    """``spans`` (regions in order) with each stretch of calls between them that
+    holds a filter made a region of its own. Under XLA a plan's plain pieces
+    that hold a filter run as regions that save everything (the runner's
+    ``_filters_wait_under_xla``); replayed instead, they keep less, for a
+    slower step (see docs/decisions/0054-xla-least-plans-replay-their-plain-pieces.md).
+
+        >>> import keras
+        >>> from tf_checkpointing.planning.layer_graph._layer_graph import read_graph
+        >>> from tf_checkpointing.planning.layer_graph._blocks import plain_filters_replayed
+        >>> x = keras.Input((8, 8, 3))
+        >>> h = keras.layers.Conv2D(4, 3)(x)
+        >>> h = keras.layers.ReLU()(keras.layers.Conv2D(4, 3)(h))
+        >>> model = keras.Model(x, keras.layers.Dense(2)(keras.layers.Flatten()(h)))
+        >>> plain_filters_replayed(read_graph(model), ((1, 3, ()),))
+        ((0, 1, ()), (1, 3, ()))
+    """
+    out, at = [], 0
+    for start, stop, inner in (*spans, (len(graph.calls), len(graph.calls), ())):
+        if start > at and holds_filter(graph, at, start):
+            out.append((at, start, ()))
+        if start < stop:
+            out.append((start, stop, inner))
+        at = stop
+    return tuple(out)
 
 
 def named_block_spans(graph: LayerGraph) -> tuple:

@@ -23,6 +23,7 @@ from tf_checkpointing.planning.layer_graph._blocks import (
     block_spans,
     inner_block_choices,
     named_block_spans,
+    plain_filters_replayed,
     segment_spans,
 )
 from tf_checkpointing.planning.layer_graph._frozen import warn_eager_frozen
@@ -208,6 +209,16 @@ class Planning:
                 peak = self.region_model.peak(spans)
                 if self.predict(peak) <= could_win:
                     options.append(Option(Solution(peak, spans, (NO_POLICY,) * len(spans))))
+            if self.mode == "xla" and self.least.spans:
+                # The least plan with its plain pieces that hold a filter replayed
+                # in full, not saving everything: less memory, a slower step (see
+                # docs/decisions/0054-xla-least-plans-replay-their-plain-pieces.md).
+                spans = plain_filters_replayed(self.graph, self.least.spans)
+                if spans != self.least.spans:
+                    chosen = dict(zip(self.least.spans, self.least.policies))
+                    policies = tuple(chosen.get(span, NO_POLICY) for span in spans)
+                    options.append(Option(Solution(
+                        self.region_model.peak(spans, policies=policies), spans, policies)))
         return options + [Option(PLAIN, refs) for refs in self.inner]
 
     def solve(self, limit: Optional[float]) -> Optional[Solution]:
