@@ -247,3 +247,23 @@ def with_spans(plan, spans, policies=(), mode=None):
 def plan_of(names, spans, mode="graph"):
     """A ModelPlan of a model whose calls are ``names``, checkpointing ``spans``."""
     return with_spans(tc.ModelPlan(names=tuple(names), pieces=(), mode=mode), spans)
+
+
+def conv_bn_net(blocks=3, channels=4, dropout=0.0, dense_head=False):
+    """Conv-BN-ReLU blocks (``conv{k}``, ``bn{k}``, ``relu{k}``, then dropout
+    ``drop{k}`` where ``dropout``), on 8x8 images of ``channels`` channels, and a
+    1x1 convolution or (``dense_head``) a Dense layer as the head; the same
+    weights and seeds each time."""
+    keras.utils.set_random_seed(0)
+    x = keras.Input((8, 8, channels))
+    h = x
+    for k in range(blocks):
+        h = keras.layers.Conv2D(8, 3, padding="same", name=f"conv{k}")(h)
+        h = keras.layers.BatchNormalization(name=f"bn{k}")(h)
+        h = keras.layers.ReLU(name=f"relu{k}")(h)
+        if dropout:
+            h = keras.layers.Dropout(dropout, seed=k, name=f"drop{k}")(h)
+    if dense_head:
+        return keras.Model(x, keras.layers.Dense(2, name="head")(keras.layers.Flatten()(h)))
+    return keras.Model(x, keras.layers.Conv2D(2, 1, name="head")(h))
+

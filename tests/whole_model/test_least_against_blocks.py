@@ -7,6 +7,7 @@ one is the plan (on keras_hub's GPT2Backbone the model's least plan measured
 import keras
 import pytest
 import tensorflow as tf
+from helpers import conv_bn_net
 
 import tf_checkpointing as tc
 from tf_checkpointing.planning.layer_graph._blocks import (
@@ -129,19 +130,6 @@ def test_a_selection_is_measured_only_where_its_prediction_leaves_it_a_chance(mo
     assert set(measured) & selections == (selections if margin > 1 else set())
 
 
-def _conv_net():
-    """Conv-BN-ReLU layers, a head of a Dense layer: filters in every stretch
-    but the head."""
-    keras.utils.set_random_seed(0)
-    x = keras.Input((8, 8, 3))
-    h = x
-    for k in range(4):
-        h = keras.layers.Conv2D(8, 3, padding="same", name=f"conv{k}")(h)
-        h = keras.layers.BatchNormalization(name=f"bn{k}")(h)
-        h = keras.layers.ReLU(name=f"relu{k}")(h)
-    return keras.Model(x, keras.layers.Dense(2, name="head")(keras.layers.Flatten()(h)))
-
-
 def test_an_xla_least_plan_is_also_measured_with_its_plain_filters_replayed():
     """Under XLA the least plan's plain pieces that hold a filter would save
     everything; the plan with them replayed in full is one more candidate, its
@@ -149,7 +137,7 @@ def test_an_xla_least_plan_is_also_measured_with_its_plain_filters_replayed():
     from tf_checkpointing._graph_runner import model_runner
     from tf_checkpointing.planning.solving._region_solver import NO_POLICY, Solution
 
-    model = _conv_net()
+    model = conv_bn_net(blocks=4, channels=3, dense_head=True)  # the head holds no filter
     graph = read_graph(model)
     names = [call.name for call in graph.calls]
     planning = _planning.Planning.start(graph, tf.random.stateless_normal([8, 8, 8, 3], [0, 1]),

@@ -10,7 +10,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import assert_all_close, grads_of, ran_in_fresh_process, sgd_step
+from helpers import assert_all_close, conv_bn_net, grads_of, ran_in_fresh_process, sgd_step
 
 import tf_checkpointing as tc
 from tf_checkpointing import policies
@@ -81,23 +81,10 @@ def test_a_plan_replaying_regions_under_policies_equals_plain(mode):
     assert "checkpointed with dots_with_no_batch_dims_saveable" in str(plan)
 
 
-def _conv_bn_net():
-    """Convolutions with BatchNormalizations and dropout between them: a replay
-    updates (and keeps out of the variables) moving statistics and seeds."""
-    keras.utils.set_random_seed(0)
-    x = keras.Input((8, 8, 4))
-    h = x
-    for i in range(3):
-        h = keras.layers.Conv2D(8, 3, padding="same", name=f"conv{i}")(h)
-        h = keras.layers.BatchNormalization(name=f"bn{i}")(h)
-        h = keras.layers.ReLU(name=f"relu{i}")(h)
-        h = keras.layers.Dropout(0.1, seed=i, name=f"drop{i}")(h)
-    return keras.Model(x, keras.layers.Conv2D(2, 1, name="head")(h))
-
-
 @pytest.mark.parametrize("mode", ["graph", "xla"])
 def test_a_region_keeps_its_policys_tensors_past_a_batchnorm(mode):
-    """A region under dots_saveable replays no convolution, the ones after its
+    """A region under dots_saveable over convolutions with BatchNormalizations
+    and dropout between them replays no convolution, the ones after its
     BatchNormalizations and dropout included: the values of moving statistics and
     seeds the replay keeps out of the variables (which the forward assigned) do
     not stop it matching the forward's ops."""
@@ -113,12 +100,12 @@ def test_a_region_keeps_its_policys_tensors_past_a_batchnorm(mode):
         graph = step.get_concrete_function(x).graph
         return sum(op.type.startswith("Conv2D") for op in _executed(graph))
 
-    plain = convolutions(_conv_bn_net())
-    model = _conv_bn_net()
+    plain = convolutions(conv_bn_net(dropout=0.1))
+    model = conv_bn_net(dropout=0.1)
     names = [call.name for call in read_graph(model).calls]
     tc.apply_checkpointing(model, plan=tc.ModelPlan.from_regions(model, [names], policies=[DOTS]))
     assert convolutions(model) == plain
-    replayed = _conv_bn_net()
+    replayed = conv_bn_net(dropout=0.1)
     tc.apply_checkpointing(replayed, plan=tc.ModelPlan.from_regions(replayed, [names]))
     assert convolutions(replayed) > plain  # the count sees a replay
 
