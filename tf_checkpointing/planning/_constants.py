@@ -117,3 +117,11 @@ POLICY_SMALL_KEPT = 1 / 16
 # least this share of plain's activations: it saves no memory and costs time
 # (docs/decisions/0032-per-layer-selection-warning.md).
 COSTLY_SELECTION_RATIO = 0.97
+
+# Saved plans ---------------------------------------------------------------------
+
+# Part of a saved plan's key (plans/_plan_files.plan_key): raised when a change moves
+# what the plans of an unchanged version measure, so that a plan cache made before it
+# plans again (2: save-everything regions no longer replay, XLA least plans may replay
+# their plain pieces; decision 0054).
+PLAN_REVISION = 2

@@ -8,7 +8,8 @@ everything the plan depends on, as a key: the model's layer calls (each
 layer's name, class, configuration and weight shapes, and what each call reads), the
 input shapes and dtypes, the dtype policy, the step's mode, the budget and the
 save policies offered, which layers take gradients, the device, and the
-versions of TensorFlow, Keras and this package. A plan for another question is
+versions of TensorFlow, Keras and this package, and the planner's revision
+(``PLAN_REVISION``: what an unchanged version's plans measure). A plan for another question is
 never found, so never applied; a file that cannot be read as a plan of this
 model is planned again, with a warning naming it.
 
@@ -32,6 +33,7 @@ from typing import Any, Optional
 import keras
 import tensorflow as tf
 
+from tf_checkpointing.planning._constants import PLAN_REVISION
 from tf_checkpointing.planning._errors import PlanningValueError, caller
 from tf_checkpointing.planning.layer_graph._layer_graph import LayerGraph
 from tf_checkpointing.planning.plans._plan import ModelPlan
@@ -55,6 +57,7 @@ def plan_key(graph: LayerGraph, inputs: Any, *, mode: str, budget: Any,
         "dtype_policy": keras.config.dtype_policy().name, "mode": mode, "budget": budget,
         "policies": [policy_name(p) for p in policies], "frozen": repr(frozen),
         "device": device, "versions": [tf.__version__, keras.__version__, _our_version()],
+        "revision": PLAN_REVISION,
     }
     text = json.dumps(question, sort_keys=True, default=repr)
     return hashlib.sha256(text.encode()).hexdigest()
