@@ -10,6 +10,7 @@ import tensorflow as tf
 from helpers import conv_bn_net
 
 import tf_checkpointing as tc
+from tf_checkpointing._graph_runner import model_runner
 from tf_checkpointing.planning.layer_graph._blocks import (
     block_spans,
     named_block_spans,
@@ -19,6 +20,7 @@ from tf_checkpointing.planning.layer_graph._blocks import (
 from tf_checkpointing.planning.layer_graph._layer_graph import read_graph
 from tf_checkpointing.planning.measuring._whole_step import StepReading
 from tf_checkpointing.planning.solving import _planning
+from tf_checkpointing.planning.solving._region_solver import NO_POLICY, Solution
 
 
 class Block(keras.layers.Layer):
@@ -134,9 +136,6 @@ def test_an_xla_least_plan_is_also_measured_with_its_plain_filters_replayed():
     """Under XLA the least plan's plain pieces that hold a filter would save
     everything; the plan with them replayed in full is one more candidate, its
     own regions under their policies, the new ones fully replayed."""
-    from tf_checkpointing._graph_runner import model_runner
-    from tf_checkpointing.planning.solving._region_solver import NO_POLICY, Solution
-
     model = conv_bn_net(blocks=4, channels=3, dense_head=True)  # the head holds no filter
     graph = read_graph(model)
     names = [call.name for call in graph.calls]

@@ -23,7 +23,7 @@ Replayed ops are matched to recorded ones by position, op type and output
 shapes; a mismatch (a function that builds another graph when replayed) stops
 the substitution for the rest of that replay, which then recomputes: slower,
 never wrong. Ops a replay makes that its forward has no counterpart of are
-built under :func:`unmatched` and not counted: the value of a write a replay
+built under :func:`unmatched` and skipped: the value of a write a replay
 keeps out of its variable (``_state.WritesKeptOut``: a BatchNormalization's
 moving statistics), which the forward assigned with an op no policy sees.
 
@@ -66,8 +66,8 @@ _unmatched = threading.local()
 
 @contextlib.contextmanager
 def unmatched() -> Iterator[None]:
-    """Ops built inside are neither recorded nor matched by a save policy's
-    callbacks: what a replay adds that its forward does not have."""
+    """Ops built inside are not matched by a replay's save policy: what a
+    replay adds that its forward does not have (no forward runs inside)."""
     previous = getattr(_unmatched, "on", False)
     _unmatched.on = True
     try:
@@ -201,7 +201,7 @@ class _Record:
         self.positions: dict[str, int] = {}  # op name -> position in saver.ops
 
     def __call__(self, op_type, inputs, attrs, outputs, op_name=None, graph=None):
-        if graph is not self.graph or getattr(_unmatched, "on", False):
+        if graph is not self.graph:
             return outputs
         drawn = op_name is not None and self._drawn(op_type, inputs)
         if drawn:
